@@ -1,0 +1,1 @@
+"""Pure-JAX KDA references: recurrent, chunked, segment algebra, decode, short conv."""

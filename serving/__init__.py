@@ -1,0 +1,1 @@
+"""Host-side serving: page pool, prefix cache, scheduler, engine, server, fleet."""

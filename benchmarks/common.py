@@ -1,0 +1,80 @@
+"""Shared benchmark helpers: timing, input generation, hardware-limit accounting."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Ceilings measured on the lent H200 (docs/benchmarks.md, BENCHMARKS.md).
+HBM_BYTES_PER_S = 3.6e12
+BF16_FLOPS_PER_S = 790e12
+
+
+def time_jax(f, inputs, *, warmup=3, repeats=20):
+    """Median seconds of ``f(*inputs[i % len(inputs)])`` with inputs rotated, after warm-up."""
+    for i in range(warmup):
+        jax.block_until_ready(f(*inputs[i % len(inputs)]))
+    ts = []
+    for i in range(repeats):
+        x = inputs[i % len(inputs)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*x))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def time_torch(f, inputs, *, warmup=3, repeats=20):
+    """Median seconds of a CUDA torch callable, timed with CUDA events."""
+    import torch
+
+    for i in range(warmup):
+        f(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(repeats):
+        x = inputs[i % len(inputs)]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f(*x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def to_torch(x):
+    """A JAX device array as a torch tensor on the same device, without a host copy."""
+    import torch
+
+    return torch.from_dlpack(x)
+
+
+def kda_flops_per_token_head(C: int, K: int, V: int) -> float:
+    """FLOPs of the chunked algorithm per token and value head (Akk, Aqk, solve, state matmuls)."""
+    return 4 * C * K + C * (K + V) + 6 * K * V + 2 * C * V
+
+
+def hw_fraction(seconds: float, bytes_moved: float, flops: float) -> dict:
+    """Fraction of the bandwidth or matmul limit, whichever bounds the work."""
+    t_bw, t_fl = bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S
+    bound = "memory" if t_bw >= t_fl else "compute"
+    return {"limit_s": max(t_bw, t_fl), "bound": bound, "fraction_of_limit": max(t_bw, t_fl) / seconds}
+
+
+def write_json(rows, name: str):
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return path
+
+
+def rel_rms(x, ref) -> float:
+    x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))

@@ -1,0 +1,75 @@
+"""KCP scaling. With two or more GPUs: chunk_kda_cp over all of them against chunk_kda on one.
+With one GPU: the per-rank work of a two-rank run (summary of T/2 tokens, the fold, the
+per-shard prefill from the folded state) against the one-device prefill, and the exchanged
+bytes; the multi-GPU run is then still owed.
+
+Run: ``PYTHONPATH=$PWD python3 benchmarks/kcp.py``. Writes ``$OUT/kcp.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from benchmarks.common import rel_rms, time_jax, write_json
+from benchmarks.kda_reference import inputs
+from k3jax.ops.kda import chunk_kda
+from k3jax.ops.segments import apply_segment, combine_segments, kda_segment_summary
+from k3jax.parallel.kcp import chunk_kda_cp
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, nargs="+", default=[131072, 524288])
+    ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    n_dev = len(jax.devices())
+    one = jax.jit(chunk_kda)
+    rows = []
+    for T in a.T:
+        xs = [inputs(s, 1, T, a.H) for s in (1, 2)]
+        row = {"T": T, "H": a.H, "devices": n_dev}
+        o_ref, S_ref = one(*xs[0])
+        # Correctness of the sharded program on the devices at hand (P = n_dev, 1 on one GPU).
+        mesh = Mesh(np.array(jax.devices()), ("cp",))
+        cp = jax.jit(lambda *x: chunk_kda_cp(*x, mesh=mesh, axis_name="cp"))
+        o, S = cp(*xs[0])
+        row["err_out_vs_one_device"] = rel_rms(o.astype(jnp.float32), o_ref.astype(jnp.float32))
+        row["err_state_vs_one_device"] = rel_rms(S, S_ref)
+        assert row["err_out_vs_one_device"] < 5e-3 and row["err_state_vs_one_device"] < 5e-3, row
+        t_one = time_jax(one, xs, repeats=a.repeats)
+        row["ms_one_device"] = t_one * 1e3
+        if n_dev >= 2:
+            t_cp = time_jax(cp, xs, repeats=a.repeats)
+            row.update(ms_cp=t_cp * 1e3, speedup=t_one / t_cp)
+        else:
+            # The work of rank 1 of 2: summarise its half, fold two maps, prefill its half from the state.
+            half = [tuple(x[:, T // 2 :] for x in x5) for x5 in xs]
+
+            def rank_work(q, k, v, g, beta):
+                M, E = kda_segment_summary(k, v, g, beta)
+                maps = (jnp.stack([jnp.zeros_like(M[0]), M[0]]), jnp.stack([E[0], E[0]]))
+                _, E_incl = jax.lax.associative_scan(combine_segments, maps, axis=0)
+                return chunk_kda(q, k, v, g, beta, initial_state=apply_segment((M, E), E_incl[0][None]))
+
+            t_rank = time_jax(jax.jit(rank_work), half, repeats=a.repeats)
+            t_half = time_jax(one, half, repeats=a.repeats)
+            HV, K, V = a.H, 128, 128
+            row.update(ms_rank_of_2=t_rank * 1e3, ms_prefill_half=t_half * 1e3,
+                       projected_speedup_2gpu=t_one / t_rank,
+                       allgather_bytes_per_rank=HV * K * (K + V) * 4, psum_state_bytes=HV * K * V * 4,
+                       note="one GPU: two-GPU run still owed")
+        rows.append(row)
+        print(row, flush=True)
+    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "n_devices": n_dev}
+    write_json({"meta": meta, "rows": rows}, "kcp.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Multi-device KDA: context parallelism (KCP)."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
 
-POLICIES = ("turn", "junction", "dense")  # plus "interval:<hash blocks>"
+POLICY_PARTS = ("turn", "junction", "dense")  # plus "interval:<hash blocks>"; combine with "+"
 
 
 def chain_hashes(tokens, hash_tokens: int = 512, parent: int = 0) -> list[int]:
@@ -57,21 +57,30 @@ class CacheConfig:
       checkpoint_policy: which hash endpoints keep a KDA checkpoint after a request moves on:
         "turn" (prompt and generation ends), "junction" (turn, plus the point where a request
         diverges from a cached prefix), "interval:N" (turn, plus every N hash blocks),
-        "dense" (every hash endpoint).
+        "dense" (every hash endpoint); parts combine with "+", e.g. "junction+interval:16".
     """
 
     hash_tokens: int = 512
     block_tokens: int = 2048
     mla_groups: int = 1
     kda_groups: int = 1
-    checkpoint_policy: str = "turn"
+    checkpoint_policy: str = "junction+interval:16"
 
     def __post_init__(self):
         if self.block_tokens % self.hash_tokens:
             raise ValueError(f"block_tokens {self.block_tokens} must be a multiple of hash_tokens {self.hash_tokens}")
-        p = self.checkpoint_policy
-        if p not in POLICIES and not (p.startswith("interval:") and p.split(":", 1)[1].isdigit() and int(p[9:]) > 0):
-            raise ValueError(f"unknown checkpoint_policy {p!r}: one of {POLICIES} or 'interval:N'")
+        for part in self.checkpoint_policy.split("+"):
+            if part not in POLICY_PARTS and not (part[:9] == "interval:" and part[9:].isdigit() and int(part[9:]) > 0):
+                raise ValueError(f"unknown checkpoint_policy part {part!r}: one of {POLICY_PARTS} or 'interval:N'")
+
+    @property
+    def policy_parts(self) -> set[str]:
+        return set(self.checkpoint_policy.split("+"))
+
+    @property
+    def interval(self) -> int | None:
+        """Hash blocks between interval checkpoints, if the policy has one."""
+        return next((int(p[9:]) for p in self.policy_parts if p.startswith("interval:")), None)
 
     @property
     def hashes_per_block(self) -> int:
@@ -137,6 +146,7 @@ class PrefixCache:
         self._unit_of: dict[int, Unit] = {}  # registered page -> unit
         self._reqs: dict[object, _Request] = {}
         self._step_pins: list[Unit] = []  # copy sources pinned until the step lands
+        self._num_ckpts = 0
         self.metrics = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "lost_tokens": 0, "checkpoints_written": 0}
 
     # ---- lookup
@@ -240,7 +250,7 @@ class PrefixCache:
         # Copy sources stay pinned until the copies land (end_step); shared blocks until finish.
         self._step_pins += [u for u in (hit.partial_block, hit.checkpoint) if u is not None]
         keep = set()
-        if self.cfg.checkpoint_policy == "junction" and hit.mla_tokens > hit.tokens:
+        if "junction" in self.cfg.policy_parts and hit.mla_tokens > hit.tokens:
             keep.add(hit.mla_tokens // H)
         req = _Request(
             hashes=list(hashes), num_tokens=num_tokens, prompt_tokens=num_tokens,
@@ -256,12 +266,11 @@ class PrefixCache:
         )
 
     def _keeps(self, req: _Request, b: int) -> bool:
-        p = self.cfg.checkpoint_policy
         # The prompt-end checkpoint sits before the prompt's last token: a resend of the same
         # prompt must recompute at least that token to get its logits.
-        if p == "dense" or b in req.keep or b == (req.prompt_tokens - 1) // self.cfg.hash_tokens:
+        if "dense" in self.cfg.policy_parts or b in req.keep or b == (req.prompt_tokens - 1) // self.cfg.hash_tokens:
             return True
-        return p.startswith("interval:") and b % int(p[9:]) == 0
+        return self.cfg.interval is not None and b % self.cfg.interval == 0
 
     def extend(self, req_id, hashes: list[int], num_tokens: int):
         """Grow a request (generated tokens): new chain hashes and the new total length."""
@@ -355,6 +364,8 @@ class PrefixCache:
         if key in index:  # another request already cached this prefix; keep the first copy
             return
         index[key] = (unit, self.step)
+        if unit.kind == KDA and not unit.keys:
+            self._num_ckpts += 1
         unit.keys.append(key)
         for p in unit.pages:
             self._unit_of[p] = unit
@@ -362,6 +373,8 @@ class PrefixCache:
 
     def _unregister(self, unit: Unit):
         index = self._mla_index if unit.kind == MLA else self._ckpt_index
+        if unit.kind == KDA and unit.keys:
+            self._num_ckpts -= 1
         for k in unit.keys:
             if index.get(k, (None,))[0] is unit:
                 del index[k]
@@ -383,7 +396,8 @@ class PrefixCache:
 
     # ---- introspection
     def num_checkpoints(self) -> int:
-        return len({id(u) for u, _ in self._ckpt_index.values()})
+        """KDA checkpoints (boundaries) currently registered."""
+        return self._num_ckpts
 
     def request_blocks(self, req_id) -> list[tuple[int, ...]]:
         return list(self._reqs[req_id].blocks)
@@ -401,3 +415,4 @@ class PrefixCache:
                     assert pool.kind[p] == kind and pool.cached[p], f"{kind} key {key:x}: page {p} is not a live cached page"
         for p in pool._lru:
             assert pool.refcount[p] == 0 and pool.cached[p]
+        assert self._num_ckpts == len({id(u) for u, _ in self._ckpt_index.values()})

@@ -11,9 +11,9 @@ def tokens(seed, n):
     return np.random.default_rng(seed).integers(0, 50000, n)
 
 
-def make(num_pages=64, **cfg):
+def make(num_pages=64, checkpoint_policy="turn", **cfg):
     pool = PagePool(num_pages, with_storage=False)
-    return PrefixCache(CacheConfig(**cfg), pool), pool
+    return PrefixCache(CacheConfig(checkpoint_policy=checkpoint_policy, **cfg), pool), pool
 
 
 def run_request(cache, rid, toks, *, total=None):
@@ -135,5 +135,5 @@ def test_pool_too_small_is_reported_and_leaves_nothing_behind():
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="multiple"):
         CacheConfig(block_tokens=1000)
-    with pytest.raises(ValueError, match="policy"):
+    with pytest.raises(ValueError, match="checkpoint_policy"):
         CacheConfig(checkpoint_policy="sometimes")

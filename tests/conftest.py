@@ -13,7 +13,7 @@ jax.config.update("jax_enable_x64", False)
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=8,
+    max_examples=5,
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

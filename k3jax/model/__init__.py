@@ -1,0 +1,8 @@
+"""The Kimi Linear / K3 model: config, pure forward, Hugging Face checkpoint loader."""
+
+from k3jax.model.config import ModelConfig
+from k3jax.model.loader import CheckpointError, load_hf_checkpoint
+from k3jax.model.model import Kernels, ModelCache, forward, init_cache, init_params, logits, param_shapes
+
+__all__ = ["ModelConfig", "CheckpointError", "load_hf_checkpoint", "Kernels", "ModelCache", "forward", "init_cache",
+           "init_params", "logits", "param_shapes"]

@@ -1,0 +1,161 @@
+"""Load a Hugging Face ``kimi_linear`` checkpoint directory into ``(ModelConfig, params)``.
+
+Reads single-file and sharded (``model.safetensors.index.json``) checkpoints, float32 or bf16,
+in the hub's original tensor names (``q_conv1d``, ``block_sparse_moe.experts.N.w1``, ...) or
+transformers' runtime names (``conv1d``, ``forget_gate.*``, ``experts.gate_up_proj``). Per-expert
+weights are stacked into ``gate_up [E, 2I, D]`` and ``down [E, D, I]``. Missing, unexpected or
+mis-shaped tensors raise :class:`CheckpointError` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from k3jax.model.config import ModelConfig
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64, "I64": np.int64,
+           "I32": np.int32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match its config."""
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of one ``.safetensors`` file as NumPy arrays (bf16 via ml_dtypes)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+        a, b = meta["data_offsets"]
+        out[name] = np.frombuffer(data[a:b], dtype=_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+    return out
+
+
+def _read_dir(path: str) -> dict[str, np.ndarray]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {path}")
+    tensors = {}
+    for fn in files:
+        tensors.update(read_safetensors(os.path.join(path, fn)))
+    return tensors
+
+
+def _normalise(name: str) -> str:
+    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.", ".self_attn.")
+    return re.sub(r"^model\.", "", name)
+
+
+def load_hf_checkpoint(path: str, dtype=None):
+    """Read ``config.json`` and the safetensors weights of a Kimi Linear checkpoint.
+
+    Args:
+      path: checkpoint directory.
+      dtype: cast every weight to this dtype (default: keep the stored dtype).
+    Returns:
+      ``(config, params)``; params as described in :mod:`k3jax.model.model`.
+    """
+    cfg = ModelConfig.from_json(path)
+    raw = {_normalise(k): v for k, v in _read_dir(path).items()}
+    used: set[str] = set()
+
+    def take(name, shape):
+        if name not in raw:
+            raise CheckpointError(f"missing tensor {name} in {path}")
+        a = raw[name]
+        if a.size == int(np.prod(shape)) and a.squeeze().shape == tuple(d for d in shape if d != 1):
+            a = a.reshape(shape)  # e.g. A_log stored as [1, 1, HV, 1]
+        if tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name} has shape {tuple(a.shape)}, config expects {tuple(shape)}")
+        used.add(name)
+        return jnp.asarray(a if dtype is None else a.astype(dtype))
+
+    D, HVK, K, HV = cfg.hidden_size, cfg.qkv_dim, cfg.linear_head_dim, cfg.linear_num_heads
+    W = cfg.conv_width
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = f"layers.{i}."
+        a = pre + "self_attn."
+        if cfg.layer_types[i] == "kda":
+            attn = {n: take(a + f"{n}_proj.weight", (HVK, D)) for n in ("q", "k", "v")}
+            if a + "conv1d.weight" in raw:
+                attn["conv"] = take(a + "conv1d.weight", (3 * HVK, 1, W)).reshape(3 * HVK, W)
+            else:
+                attn["conv"] = jnp.concatenate([take(a + f"{n}_conv1d.weight", (HVK, 1, W)).reshape(HVK, W)
+                                                for n in ("q", "k", "v")])
+            attn.update(
+                f_a=take(a + "f_a_proj.weight", (K, D)), f_b=take(a + "f_b_proj.weight", (HVK, K)),
+                dt_bias=take(a + "dt_bias", (HVK,)), A_log=take(a + "A_log", (HV,)),
+                b=take(a + "b_proj.weight", (HV, D)), o_norm=take(a + "o_norm.weight", (K,)),
+                o=take(a + "o_proj.weight", (D, HVK)),
+            )
+            if cfg.full_rank_output_gate:
+                attn["g"] = take(a + "g_proj.weight", (HVK, D))
+            else:
+                attn.update(g_a=take(a + "g_a_proj.weight", (K, D)), g_b=take(a + "g_b_proj.weight", (HVK, K)))
+        else:
+            nh, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            L = cfg.kv_lora_rank
+            attn = {}
+            if cfg.q_lora_rank is None:
+                attn["q"] = take(a + "q_proj.weight", (nh * qk, D))
+            else:
+                attn.update(q_a=take(a + "q_a_proj.weight", (cfg.q_lora_rank, D)),
+                            q_a_norm=take(a + "q_a_layernorm.weight", (cfg.q_lora_rank,)),
+                            q_b=take(a + "q_b_proj.weight", (nh * qk, cfg.q_lora_rank)))
+            attn.update(
+                kv_a=take(a + "kv_a_proj_with_mqa.weight", (L + cfg.qk_rope_head_dim, D)),
+                kv_a_norm=take(a + "kv_a_layernorm.weight", (L,)),
+                kv_b=take(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), L)),
+                o=take(a + "o_proj.weight", (D, nh * cfg.v_head_dim)),
+            )
+        m = pre + "mlp."
+        if cfg.mlp_types[i] == "dense":
+            I = cfg.intermediate_size
+            mlp = dict(gate=take(m + "gate_proj.weight", (I, D)), up=take(m + "up_proj.weight", (I, D)),
+                       down=take(m + "down_proj.weight", (D, I)))
+        else:
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            if m + "experts.gate_up_proj" in raw:
+                gate_up = take(m + "experts.gate_up_proj", (E, 2 * I, D))
+                down = take(m + "experts.down_proj", (E, D, I))
+            else:
+                e = m + "experts.{}.{}.weight"
+                gate_up = jnp.stack([jnp.concatenate([take(e.format(j, "w1"), (I, D)), take(e.format(j, "w3"), (I, D))])
+                                     for j in range(E)])
+                down = jnp.stack([take(e.format(j, "w2"), (D, I)) for j in range(E)])
+            Is = I * cfg.n_shared_experts
+            mlp = dict(
+                router=take(m + "gate.weight", (E, D)), bias=take(m + "gate.e_score_correction_bias", (E,)),
+                gate_up=gate_up, down=down,
+                shared=dict(gate=take(m + "shared_experts.gate_proj.weight", (Is, D)),
+                            up=take(m + "shared_experts.up_proj.weight", (Is, D)),
+                            down=take(m + "shared_experts.down_proj.weight", (D, Is))),
+            )
+        layers.append(dict(input_norm=take(pre + "input_layernorm.weight", (D,)),
+                           post_norm=take(pre + "post_attention_layernorm.weight", (D,)), attn=attn, mlp=mlp))
+    params = dict(embed=take("embed_tokens.weight", (cfg.vocab_size, D)), norm=take("norm.weight", (D,)), layers=layers)
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = take("lm_head.weight", (cfg.vocab_size, D))
+    unexpected = sorted(set(raw) - used)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in {path}: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    return cfg, params

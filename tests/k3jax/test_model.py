@@ -1,0 +1,133 @@
+"""The model against Hugging Face transformers (golden fixtures), and incremental equivalence."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.model import CheckpointError, ModelConfig, forward, init_cache, init_params, load_hf_checkpoint, logits
+from tests.helpers import rel_rms
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
+CASES = ["moe_hf_form", "original_form_sharded", "dense_bf16"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers(case):
+    cfg, params = load_hf_checkpoint(os.path.join(GOLDEN, case))
+    g = np.load(os.path.join(GOLDEN, case, "golden.npz"))
+    out = jax.jit(lambda ids: logits(cfg, params, ids))(jnp.asarray(g["token_ids"]))
+    assert out.dtype == jnp.float32 and out.shape == g["logits"].shape
+    assert rel_rms(out, g["logits"]) <= 1e-4
+
+
+def test_golden_cases_cover_the_variants():
+    cfgs = {c: load_hf_checkpoint(os.path.join(GOLDEN, c))[0] for c in CASES}
+    assert "moe" in cfgs["moe_hf_form"].mlp_types and "moe" not in cfgs["dense_bf16"].mlp_types
+    assert cfgs["original_form_sharded"].mlp_types[:2] == ("dense", "dense")
+    assert os.path.exists(os.path.join(GOLDEN, "original_form_sharded", "model.safetensors.index.json"))
+    with open(os.path.join(GOLDEN, "original_form_sharded", "config.json")) as f:
+        assert "linear_attn_config" in json.load(f)
+
+
+def test_both_config_forms_agree():
+    hf = ModelConfig.from_json(os.path.join(GOLDEN, "moe_hf_form"))
+    d = hf.to_hf_dict()
+    types, mlp = d.pop("layer_types"), d.pop("mlp_layer_types")
+    d["linear_attn_config"] = {
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+        "num_heads": hf.linear_num_heads, "head_dim": hf.linear_head_dim,
+    }
+    d["first_k_dense_replace"] = mlp.index("sparse")
+    assert ModelConfig.from_hf_dict(d) == hf
+
+
+def _model(seed=0, **over):
+    with open("configs/tiny.json") as f:
+        d = json.load(f)
+    d.update(over)
+    cfg = ModelConfig.from_hf_dict(d)
+    return cfg, init_params(cfg, jax.random.key(seed))
+
+
+@pytest.mark.parametrize("k3", [False, True])
+def test_incremental_equivalence(k3):
+    over = dict(kda_lower_bound=-5.0, full_rank_output_gate=True) if k3 else {}
+    cfg, params = _model(1, **over)
+    ids = jax.random.randint(jax.random.key(2), (37,), 3, cfg.vocab_size)
+    fwd = jax.jit(lambda ids, cache: forward(cfg, params, ids, cache))
+    full = logits(cfg, params, ids)
+    cache = init_cache(cfg, 37)
+    pieces = []
+    for a, b in ((0, 13), (13, 33), (33, 37)):  # chunked prefill
+        out, cache = fwd(ids[a:b], cache)
+        pieces.append(out)
+    assert rel_rms(jnp.concatenate(pieces), full) <= 1e-4
+    cache = init_cache(cfg, 37)
+    out, cache = fwd(ids[:30], cache)
+    steps = [out]
+    for t in range(30, 37):  # decode steps
+        out, cache = fwd(ids[t : t + 1], cache)
+        steps.append(out)
+    assert rel_rms(jnp.concatenate(steps), full) <= 1e-4
+    assert int(cache.pos) == 37
+
+
+def test_k3_gate_changes_the_model():
+    cfg, params = _model(3)
+    cfg3 = ModelConfig.from_hf_dict({**cfg.to_hf_dict(), "kda_lower_bound": -5.0})
+    ids = jnp.arange(3, 20)
+    assert rel_rms(logits(cfg3, params, ids), logits(cfg, params, ids)) > 1e-3
+
+
+@pytest.fixture
+def broken_checkpoint(tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(GOLDEN, "dense_bf16"), dst)
+    return dst
+
+
+def _rewrite(path, fn):
+    from k3jax.model.loader import read_safetensors
+
+    import ml_dtypes  # noqa: F401  (bf16 arrays)
+
+    t = read_safetensors(str(path / "model.safetensors"))
+    t = fn(dict(t))
+    header, blobs, off = {}, [], 0
+    for k, v in t.items():
+        b = np.ascontiguousarray(v).tobytes()
+        header[k] = {"dtype": "BF16" if v.dtype.name == "bfloat16" else "F32", "shape": list(v.shape),
+                     "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+def test_loader_errors_name_the_tensor(broken_checkpoint):
+    p = broken_checkpoint
+    _rewrite(p, lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.q_proj" not in k})
+    with pytest.raises(CheckpointError, match="missing tensor layers.1.self_attn.q_proj.weight"):
+        load_hf_checkpoint(str(p))
+
+
+def test_loader_rejects_bad_shapes_and_extras(broken_checkpoint):
+    p = broken_checkpoint
+    _rewrite(p, lambda t: {**t, "model.norm.weight": t["model.norm.weight"][:10]})
+    with pytest.raises(CheckpointError, match="norm.weight has shape"):
+        load_hf_checkpoint(str(p))
+    _rewrite(p, lambda t: {**t, "model.norm.weight": np.ones(64, np.float32), "model.extra.weight": np.ones(3, np.float32)})
+    with pytest.raises(CheckpointError, match="unexpected tensors.*extra"):
+        load_hf_checkpoint(str(p))
+
+
+def test_bf16_checkpoint_keeps_its_dtype():
+    _, params = load_hf_checkpoint(os.path.join(GOLDEN, "dense_bf16"))
+    assert params["embed"].dtype == jnp.bfloat16

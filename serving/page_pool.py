@@ -196,18 +196,29 @@ class PagePool:
             raise RuntimeError("this pool has no device storage (with_storage=False)")
         return self.words
 
+    def write_f32(self, page: int, x: jax.Array, kind: str):
+        """Write float32 data into a page of ``kind`` (checked): a KDA state ``[HV, layers, K, V]``
+        (head-contiguous) or float32 MLA latents."""
+        page = self.check(page)
+        if self.kind[page] != kind:
+            raise ValueError(f"page {page} is a {self.kind[page]} page, not {kind}")
+        if x.size > self.page_words:
+            raise ValueError(f"{x.size} words do not fit a page of {self.page_words}")
+        self.words = _write_words(self._storage(), page, jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32))
+        self.written[page] = True
+
+    def read_f32(self, page: int, shape) -> jax.Array:
+        """Read the first ``prod(shape)`` words of a written page as ``f32[shape]``."""
+        page = self._readable(page)
+        return _read_f32(self._storage(), page, tuple(shape))
+
     def write_kda_state(self, page: int, state: jax.Array):
         """Write ``f32[HV, layers, K, V]`` (head-contiguous) into a KDA page."""
-        page = self.check(page)
-        if self.kind[page] != KDA:
-            raise ValueError(f"page {page} is a {self.kind[page]} page, not {KDA}")
-        self.words = _write_words(self._storage(), page, jax.lax.bitcast_convert_type(state.astype(jnp.float32), jnp.uint32))
-        self.written[page] = True
+        self.write_f32(page, state, KDA)
 
     def read_kda_state(self, page: int, shape) -> jax.Array:
         """Read a KDA page as ``f32[shape]`` (``shape = (HV, layers, K, V)``)."""
-        page = self._readable(page)
-        return _read_f32(self._storage(), page, tuple(shape))
+        return self.read_f32(page, shape)
 
     def write_mla(self, page: int, kv: jax.Array):
         """Write bf16 MLA KV (even element count) into an MLA page."""

@@ -131,10 +131,16 @@ def route(cfg: ModelConfig, p, x):
 
 
 def moe(cfg: ModelConfig, p, x):
-    """Routed experts as two grouped matmuls (tokens sorted by expert), plus shared experts."""
+    """Routed experts plus shared experts. Few tokens (decode) gather their experts' weights;
+    many tokens (prefill) sort by expert and run two grouped matmuls."""
     T, D = x.shape
     I = cfg.moe_intermediate_size
     w, idx = route(cfg, p, x)
+    if T * cfg.num_experts_per_tok <= cfg.num_experts:
+        h = jnp.einsum("td,tkfd->tkf", x, p["gate_up"][idx].astype(f32), precision=HIGHEST)
+        a = jax.nn.silu(h[..., :I]) * h[..., I:]
+        y = jnp.einsum("tki,tkdi->tkd", a, p["down"][idx].astype(f32), precision=HIGHEST)
+        return jnp.einsum("tk,tkd->td", w, y, precision=HIGHEST) + mlp(p["shared"], x)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat)
     tok = order // cfg.num_experts_per_tok

@@ -1,0 +1,414 @@
+"""The serving engine: continuous batching, chunked prefill and the prefix cache.
+
+Device state is one batch of per-slot caches (``ModelCache`` with a leading slot axis) plus the
+page pool that backs the prefix cache. Each ``step``: admit waiting requests into free slots
+(prefix-cache lookup; a hit copies the KDA checkpoint and the MLA latents from pool pages into
+the slot), run one batched decode step for every decoding request, then prefill pieces under
+a token budget. Pieces are power-of-two lengths that never cross a hash boundary, so the state
+after a piece that ends on a boundary is that boundary's checkpoint (no second pass), and the
+number of compiled shapes is bounded (logged).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.model import Kernels, ModelCache, ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
+from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
+from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
+
+log = logging.getLogger("k3jax.engine")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+class RequestError(ValueError):
+    """A request that can never be served (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling: greedy when ``temperature == 0``; ``top_k = 0`` and ``top_p = 1`` disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self):
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Result:
+    """A finished request: generated ``token_ids``, prompt tokens served from cache, timings
+    (seconds since submission: time to first token and each token's arrival)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    num_cached_tokens: int
+    ttft_s: float
+    token_times_s: list[float]
+    finish_reason: str
+
+
+@dataclass
+class _Req:
+    rid: int
+    prompt: list[int]
+    sp: SamplingParams
+    on_token: object = None  # callable(token_id) from the engine thread
+    out: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+    slot: int = -1
+    done: int = 0  # tokens whose KV/state are in the slot
+    cached: int = 0
+    hashes: list[int] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
+    result: Result | None = None
+    aborted: bool = False
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+def _bucket_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+class Engine:
+    """Offline and online serving of one model.
+
+    Args:
+      model: "tiny" (the embedded default: ``configs/tiny.json`` with random weights and a
+        byte-level vocabulary) or a Hugging Face checkpoint directory.
+      max_slots: requests decoded together; max_len: tokens per request (prompt + output).
+      prefill_chunk: prefill token budget per step.
+      prefix_cache: enable the prefix cache; cache_pages: pool pages backing it.
+      hash_tokens: prefix-cache hash block; kernels: device ops for the model.
+    """
+
+    def __init__(self, model: str = "tiny", *, max_slots: int = 4, max_len: int = 2048, prefill_chunk: int = 256,
+                 prefix_cache: bool = True, cache_pages: int = 64, hash_tokens: int = 512, kernels: Kernels | None = None,
+                 seed: int = 0, dtype=jnp.float32):
+        if model == "tiny":
+            self.cfg = ModelConfig.from_json(os.path.join(CONFIGS, "tiny.json"))
+            self.params = init_params(self.cfg, jax.random.key(seed), dtype=dtype)
+        else:
+            self.cfg, self.params = load_hf_checkpoint(model)
+        self.max_slots, self.max_len, self.prefill_chunk = max_slots, max_len, prefill_chunk
+        self.kernels = kernels or Kernels()
+        self.H = hash_tokens
+        cache_len = max_len
+        if prefix_cache:
+            # Physical block B: the smallest multiple of the hash block whose MLA page is at
+            # least the KDA checkpoint page, so both kinds share one page size.
+            nk, nm = len(self.cfg.kda_layers), len(self.cfg.mla_layers)
+            probe = init_cache(self.cfg, 1)
+            self._kda_shapes = (probe.kda_state.shape[1:], probe.conv_state.shape[1:])
+            kda_words = sum(int(np.prod(s)) for s in self._kda_shapes) * nk
+            lat = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+            self.B = hash_tokens * max(1, -(-kda_words // (hash_tokens * max(nm, 1) * lat)))
+            self._mla_shape = (self.B, nm, lat)
+            cache_len = -(-max_len // self.B) * self.B
+        one = init_cache(self.cfg, cache_len)
+        self.caches = jax.tree.map(lambda x: jnp.zeros((max_slots,) + x.shape, x.dtype), one)
+        self._compiled: set = set()
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=2)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=2)
+        self._set_slot = jax.jit(self._set_slot_fn, donate_argnums=0)
+        self.cache = self.pool = None
+        if prefix_cache:
+            self.pool = PagePool(cache_pages, max(kda_words, int(np.prod(self._mla_shape))))
+            self.cache = PrefixCache(CacheConfig(hash_tokens, self.B, 1, 1), self.pool)
+        self.waiting: deque[_Req] = deque()
+        self.running: dict[int, _Req] = {}
+        self.free_slots = list(range(max_slots - 1, -1, -1))
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.metrics = {"requests": 0, "requests_finished": 0, "requests_rejected": 0, "prompt_tokens": 0,
+                        "generation_tokens": 0, "cached_tokens": 0, "preemptions": 0, "ttft_sum_s": 0.0}
+
+    # ---- device functions (jitted; caches donated)
+    def _prefill_fn(self, params, ids, caches, slot):
+        c = jax.tree.map(lambda x: x[slot], caches)
+        logits, c = forward(self.cfg, params, ids, c, self.kernels)
+        caches = jax.tree.map(lambda all_, one: all_.at[slot].set(one), caches, c)
+        return logits[-1], caches
+
+    def _decode_fn(self, params, tokens, caches, active):
+        step = lambda tok, c: forward(self.cfg, params, tok[None], c, self.kernels)
+        logits, new = jax.vmap(step)(tokens, caches)
+        keep = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+        return logits[:, 0], jax.tree.map(keep, new, caches)
+
+    @staticmethod
+    def _set_slot_fn(caches, slot, kda_state, conv_state, mla_kv, pos):
+        return ModelCache(caches.kda_state.at[slot].set(kda_state), caches.conv_state.at[slot].set(conv_state),
+                          caches.mla_kv.at[slot].set(mla_kv), caches.pos.at[slot].set(pos))
+
+    def _note_compile(self, key):
+        if key not in self._compiled:
+            self._compiled.add(key)
+            log.info("compiling %s (%d shapes so far)", key, len(self._compiled))
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self._compiled)
+
+    # ---- requests
+    def validate(self, prompt: list[int], sp: SamplingParams):
+        """Raise :class:`RequestError` for a request that can never be served."""
+        sp.validate()
+        if not prompt:
+            raise RequestError("empty prompt")
+        bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if len(prompt) + sp.max_tokens > self.max_len:
+            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
+
+    def submit(self, prompt: list[int], sp: SamplingParams = SamplingParams(), on_token=None) -> _Req:
+        """Queue a request (thread-safe). Raises RequestError for invalid input."""
+        prompt = [int(t) for t in prompt]
+        self.validate(prompt, sp)
+        req = _Req(next(self._ids), prompt, sp, on_token)
+        with self._lock:
+            self.waiting.append(req)
+            self.metrics["requests"] += 1
+        return req
+
+    def abort(self, req: _Req):
+        """Cancel a request (e.g. the client disconnected); its pages are released next step."""
+        req.aborted = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids=()) -> list[Result]:
+        """Run prompts to completion (offline use); results in prompt order."""
+        reqs = [self.submit(p, SamplingParams(max_tokens, temperature, top_k, top_p,
+                                              None if seed is None else seed + i, tuple(stop_token_ids)))
+                for i, p in enumerate(prompts)]
+        while not all(r.finished.is_set() for r in reqs):
+            self.step()
+        return [r.result for r in reqs]
+
+    # ---- scheduling
+    def step(self):
+        """One scheduling step: admit, decode, prefill under the token budget, land the cache."""
+        for req in [r for r in self.running.values() if r.aborted]:
+            self._finish(req, "abort")
+        self._admit()
+        self._decode_step()
+        self._prefill_step()
+        if self.cache is not None:
+            self.cache.end_step()
+
+    def _admit(self):
+        while self.free_slots:
+            with self._lock:
+                if not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            if req.aborted:
+                self._complete(req, "abort")
+                continue
+            tokens = req.tokens
+            req.hashes = chain_hashes(tokens, self.H)
+            hit = 0
+            if self.cache is not None:
+                try:
+                    adm = self.cache.admit(req.rid, req.hashes, len(tokens))
+                except PoolExhausted as e:
+                    if self.running:  # pages come back as requests finish
+                        with self._lock:
+                            self.waiting.appendleft(req)
+                        return
+                    self._reject(req, f"request cannot fit the cache pool: {e}")
+                    continue
+                hit = adm.num_cached_tokens
+            req.slot = self.free_slots.pop()
+            if hit:
+                self._restore(req.slot, adm, hit)
+            else:  # a recycled slot starts from zero state
+                c = jax.tree.map(lambda x: jnp.zeros_like(x[0]), self.caches)
+                self.caches = self._set_slot(self.caches, req.slot, c.kda_state, c.conv_state, c.mla_kv, c.pos)
+            req.done = req.cached = hit
+            if not req.out:
+                self.metrics["cached_tokens"] += hit
+            self.running[req.rid] = req
+
+    def _restore(self, slot, adm, hit):
+        """Copy the hit checkpoint and MLA latents from pool pages into the slot."""
+        (ks, cs), nk = self._kda_shapes, len(self.cfg.kda_layers)
+        n_k = nk * int(np.prod(ks))
+        words = self.pool.read_f32(adm.copy_state_from[0], (n_k + nk * int(np.prod(cs)),))
+        kda, conv = words[:n_k].reshape((nk,) + ks), words[n_k:].reshape((nk,) + cs)
+        blocks = adm.block_table[: -(-hit // self.B)]
+        if adm.copy_block_from is not None:
+            blocks[-1] = adm.copy_block_from
+        lat = [self.pool.read_f32(b[0], self._mla_shape) for b in blocks]
+        mla = jnp.zeros_like(self.caches.mla_kv[slot])
+        if lat:
+            rows = jnp.concatenate(lat)[:hit]  # [hit, nm, L + R]
+            mla = mla.at[:, :hit].set(jnp.swapaxes(rows, 0, 1))
+        self.caches = self._set_slot(self.caches, slot, kda, conv, mla, jnp.int32(hit))
+
+    def _decode_step(self):
+        dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
+        if not dec:
+            return
+        tokens = np.zeros(self.max_slots, np.int32)
+        active = np.zeros(self.max_slots, bool)
+        for r in dec:
+            tokens[r.slot], active[r.slot] = r.out[-1], True
+        self._note_compile(("decode", self.max_slots))
+        logits, self.caches = self._decode(self.params, jnp.asarray(tokens), self.caches, jnp.asarray(active))
+        logits = np.asarray(logits)
+        for r in dec:
+            r.done += 1
+            if self._after_forward(r):
+                self._emit(r, logits[r.slot])
+
+    def _prefill_step(self):
+        budget = self.prefill_chunk
+        for r in list(self.running.values()):
+            if budget <= 0:
+                break
+            toks = r.tokens
+            while budget > 0 and r.done < len(toks) - (1 if r.out else 0):
+                end = len(toks) - (1 if r.out else 0)  # a preempted request re-feeds its output but the last token
+                next_boundary = (r.done // self.H + 1) * self.H
+                n = _bucket_floor(min(end - r.done, budget, next_boundary - r.done))
+                self._note_compile(("prefill", n))
+                last, self.caches = self._prefill(self.params, jnp.asarray(toks[r.done : r.done + n], jnp.int32),
+                                                  self.caches, r.slot)
+                r.done += n
+                budget -= n
+                if not self._after_forward(r):
+                    break
+                if r.done == end and not r.out:
+                    self._emit(r, np.asarray(last))
+                if r.rid not in self.running:
+                    break
+
+    def _after_forward(self, r: _Req) -> bool:
+        """Register what the forward wrote; write checkpoints and MLA blocks into pool pages."""
+        if self.cache is None:
+            return True
+        toks = r.tokens
+        full = r.done // self.H
+        if len(r.hashes) < full:
+            r.hashes += chain_hashes(toks[len(r.hashes) * self.H : full * self.H], self.H,
+                                     r.hashes[-1] if r.hashes else 0)
+        try:
+            if r.out:
+                self.cache.extend(r.rid, r.hashes, len(toks))
+            writes = self.cache.on_forward(r.rid, r.done)
+        except PoolExhausted:
+            self._preempt(r)
+            return False
+        for tok, pages in writes:
+            assert tok == r.done, "a checkpoint must be the state the slot holds"
+            state = jnp.concatenate([self.caches.kda_state[r.slot].reshape(-1), self.caches.conv_state[r.slot].reshape(-1)])
+            self.pool.write_f32(pages[0], state, KDA)
+        if r.done % self.H == 0:
+            # A hash block completed: its physical block's page gets the slot's latents
+            # before the step lands (only complete hash blocks are ever matched).
+            j = (r.done - 1) // self.B
+            rows = jnp.swapaxes(self.caches.mla_kv[r.slot, :, j * self.B : (j + 1) * self.B], 0, 1)
+            self.pool.write_f32(self.cache.request_blocks(r.rid)[j][0], rows, MLA)
+        return True
+
+    def _preempt(self, r: _Req):
+        """Out of pool pages: drop the request's slot and recompute it later from its tokens."""
+        self.metrics["preemptions"] += 1
+        r.preemptions += 1
+        self.cache.abort(r.rid)
+        del self.running[r.rid]
+        self.free_slots.append(r.slot)
+        r.slot, r.done = -1, 0
+        with self._lock:
+            self.waiting.appendleft(r)
+
+    def _emit(self, r: _Req, logits: np.ndarray):
+        tok = sample(logits, r.sp, len(r.out))
+        now = time.perf_counter() - r.t0
+        if not r.out:
+            self.metrics["ttft_sum_s"] += now
+        r.out.append(tok)
+        r.times.append(now)
+        self.metrics["generation_tokens"] += 1
+        if r.on_token is not None:
+            r.on_token(tok)
+        if tok in r.sp.stop_token_ids:
+            self._finish(r, "stop")
+        elif len(r.out) >= r.sp.max_tokens:
+            self._finish(r, "length")
+
+    def _finish(self, r: _Req, reason: str):
+        if self.cache is not None:
+            (self.cache.abort if reason == "abort" else self.cache.finish)(r.rid)
+        del self.running[r.rid]
+        self.free_slots.append(r.slot)
+        self._complete(r, reason)
+
+    def _reject(self, r: _Req, reason: str):
+        self.metrics["requests_rejected"] += 1
+        self._complete(r, "rejected: " + reason)
+
+    def _complete(self, r: _Req, reason: str):
+        self.metrics["requests_finished"] += 1
+        self.metrics["prompt_tokens"] += len(r.prompt)
+        r.result = Result(r.rid, r.prompt, list(r.out), r.cached, r.times[0] if r.times else float("nan"),
+                          list(r.times), reason)
+        r.finished.set()
+        if r.on_token is not None:
+            r.on_token(None)
+
+
+def sample(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
+    """Pick a token from ``logits [V]``: greedy, or temperature / top-k / top-p with a per-request
+    seed (the ``index``-th draw of a seeded request is reproducible)."""
+    if sp.temperature == 0:
+        return int(np.argmax(logits))
+    x = logits.astype(np.float64) / sp.temperature
+    if sp.top_k:
+        kth = np.sort(x)[-min(sp.top_k, x.size)]
+        x = np.where(x < kth, -np.inf, x)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if sp.top_p < 1:
+        order = np.argsort(-p)
+        keep = np.cumsum(p[order]) - p[order] < sp.top_p
+        mask = np.zeros_like(p, bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0)
+        p /= p.sum()
+    rng = np.random.default_rng(None if sp.seed is None else (sp.seed, index))
+    return int(rng.choice(p.size, p=p))

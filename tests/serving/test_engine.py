@@ -1,0 +1,84 @@
+"""The engine on the tiny model: greedy outputs are identical across cache, chunking, batching
+and preemption; the second turn of a conversation reuses the first."""
+
+import numpy as np
+import pytest
+
+from serving.engine import Engine, RequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def cached():
+    return Engine(max_slots=3, max_len=1200, prefill_chunk=256)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    # No prefix cache and unchunked prefill (one piece per power of two).
+    return Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False)
+
+
+def prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]
+
+
+def test_second_turn_reuses_the_first(cached, plain):
+    turn1 = prompt(0, 700)
+    r1 = cached.generate([turn1], max_tokens=6)[0]
+    assert r1.num_cached_tokens == 0 and len(r1.token_ids) == 6
+    turn2 = turn1 + r1.token_ids + prompt(1, 40)
+    r2 = cached.generate([turn2], max_tokens=6)[0]
+    assert r2.num_cached_tokens == 512  # the longest checkpointed 512 boundary
+    cold = plain.generate([turn2], max_tokens=6)[0]
+    assert cold.num_cached_tokens == 0
+    assert r2.token_ids == cold.token_ids
+    assert plain.generate([turn1], max_tokens=6)[0].token_ids == r1.token_ids  # chunked == unchunked
+
+
+def test_batch_of_one_vs_many(cached):
+    ps = [prompt(2, 30), prompt(3, 90), prompt(4, 5), prompt(5, 300)]
+    together = cached.generate(ps, max_tokens=5)
+    alone = [cached.generate([p], max_tokens=5)[0] for p in ps]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(r.ttft_s > 0 and len(r.token_times_s) == 5 for r in together)
+    assert cached.num_compilations <= 12  # prefill buckets (powers of two) + one decode shape
+
+
+def test_sampling(cached):
+    p = prompt(6, 20)
+    greedy = cached.generate([p], max_tokens=4)[0].token_ids
+    assert cached.generate([p], max_tokens=4, temperature=0.7, top_k=1)[0].token_ids == greedy
+    a = cached.generate([p], max_tokens=4, temperature=1.5, top_p=0.9, seed=7)[0].token_ids
+    b = cached.generate([p], max_tokens=4, temperature=1.5, top_p=0.9, seed=7)[0].token_ids
+    assert a == b
+    r = cached.generate([p], max_tokens=4, stop_token_ids=[greedy[1]])[0]
+    assert r.token_ids == greedy[:2] and r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),
+                                 dict(temperature=float("nan"))])
+def test_invalid_sampling_is_rejected(cached, bad):
+    with pytest.raises(RequestError):
+        cached.submit([5, 6], SamplingParams(**bad))
+
+
+def test_invalid_prompts_are_rejected(cached):
+    with pytest.raises(RequestError, match="empty"):
+        cached.submit([])
+    with pytest.raises(RequestError, match="vocabulary"):
+        cached.submit([5, 999])
+    with pytest.raises(RequestError, match="max_len"):
+        cached.submit([5] * 1190, SamplingParams(max_tokens=20))
+
+
+def test_preemption_recomputes_and_never_corrupts(plain):
+    # A 4-page pool: two requests fit at admission, but crossing the 512 boundary while
+    # decoding needs a checkpoint and a new block, so one is preempted and recomputed later.
+    small = Engine(max_slots=2, max_len=1200, prefill_chunk=256, cache_pages=4)
+    ps = [prompt(8, 500), prompt(9, 505)]
+    got = small.generate(ps, max_tokens=20)
+    want = plain.generate(ps, max_tokens=20)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert small.metrics["preemptions"] >= 1
+    small.cache.check_invariants()
+    assert small.pool.num_used == sum(small.pool.refcount > 0) + small.pool.num_evictable

@@ -150,7 +150,8 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_rejected": 0, "prompt_tokens": 0,
-                        "generation_tokens": 0, "cached_tokens": 0, "preemptions": 0, "ttft_sum_s": 0.0}
+                        "requests_aborted": 0, "generation_tokens": 0, "cached_tokens": 0, "preemptions": 0,
+                        "ttft_sum_s": 0.0}
 
     # ---- device functions (jitted; caches donated)
     def _prefill_fn(self, params, ids, caches, slot):
@@ -384,6 +385,7 @@ class Engine:
 
     def _complete(self, r: _Req, reason: str):
         self.metrics["requests_finished"] += 1
+        self.metrics["requests_aborted"] += reason == "abort"
         self.metrics["prompt_tokens"] += len(r.prompt)
         r.result = Result(r.rid, r.prompt, list(r.out), r.cached, r.times[0] if r.times else float("nan"),
                           list(r.times), reason)

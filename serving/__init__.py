@@ -1,5 +1,5 @@
 """Host-side serving: page pool, prefix cache, engine, server. Imports k3jax and pallas_kernels."""
 
-from serving.engine import Engine, RequestError, Result, SamplingParams
+from serving.engine import Drafter, Engine, NgramDrafter, RequestError, Result, SamplingParams
 
-__all__ = ["Engine", "RequestError", "Result", "SamplingParams"]
+__all__ = ["Drafter", "NgramDrafter", "Engine", "RequestError", "Result", "SamplingParams"]

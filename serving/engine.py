@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.model import Kernels, ModelCache, ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
+from k3jax.model import (Kernels, ModelCache, ModelConfig, commit_window, forward, init_cache, init_params,
+                         load_hf_checkpoint)
 from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
 from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
 
@@ -109,11 +110,13 @@ class Engine:
       prefill_chunk: prefill token budget per step.
       prefix_cache: enable the prefix cache; cache_pages: pool pages backing it.
       hash_tokens: prefix-cache hash block; kernels: device ops for the model.
+      speculative: drafts per step for greedy requests (0 = off); drafter: a :class:`Drafter`
+        (default: :class:`NgramDrafter`).
     """
 
     def __init__(self, model: str = "tiny", *, max_slots: int = 4, max_len: int = 2048, prefill_chunk: int = 256,
                  prefix_cache: bool = True, cache_pages: int = 64, hash_tokens: int = 512, kernels: Kernels | None = None,
-                 seed: int = 0, dtype=jnp.float32):
+                 seed: int = 0, dtype=jnp.float32, speculative: int = 0, drafter: "Drafter | None" = None):
         if model == "tiny":
             self.cfg = ModelConfig.from_json(os.path.join(CONFIGS, "tiny.json"))
             self.params = init_params(self.cfg, jax.random.key(seed), dtype=dtype)
@@ -140,6 +143,10 @@ class Engine:
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=2)
         self._decode = jax.jit(self._decode_fn, donate_argnums=2)
         self._set_slot = jax.jit(self._set_slot_fn, donate_argnums=0)
+        self._verify = jax.jit(self._verify_fn)
+        self._commit = jax.jit(self._commit_fn, donate_argnums=0)
+        self.speculative = speculative
+        self.drafter = drafter or NgramDrafter()
         self.cache = self.pool = None
         if prefix_cache:
             self.pool = PagePool(cache_pages, max(kda_words, int(np.prod(self._mla_shape))))
@@ -151,7 +158,7 @@ class Engine:
         self._lock = threading.Lock()
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_rejected": 0, "prompt_tokens": 0,
                         "requests_aborted": 0, "generation_tokens": 0, "cached_tokens": 0, "preemptions": 0,
-                        "ttft_sum_s": 0.0}
+                        "ttft_sum_s": 0.0, "spec_proposed": 0, "spec_accepted": 0}
 
     # ---- device functions (jitted; caches donated)
     def _prefill_fn(self, params, ids, caches, slot):
@@ -165,6 +172,15 @@ class Engine:
         logits, new = jax.vmap(step)(tokens, caches)
         keep = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
         return logits[:, 0], jax.tree.map(keep, new, caches)
+
+    def _verify_fn(self, params, window, caches, slot):
+        c = jax.tree.map(lambda x: x[slot], caches)
+        logits, after, win = forward(self.cfg, params, window, c, self.kernels, return_window=True)
+        return logits, after, win
+
+    def _commit_fn(self, caches, slot, after, win, n):
+        c = commit_window(self.cfg, jax.tree.map(lambda x: x[slot], caches), after, win, n)
+        return jax.tree.map(lambda all_, one: all_.at[slot].set(one), caches, c)
 
     @staticmethod
     def _set_slot_fn(caches, slot, kda_state, conv_state, mla_kv, pos):
@@ -282,6 +298,8 @@ class Engine:
 
     def _decode_step(self):
         dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
+        if self.speculative:
+            dec = [r for r in dec if not self._spec_step(r)]
         if not dec:
             return
         tokens = np.zeros(self.max_slots, np.int32)
@@ -357,8 +375,42 @@ class Engine:
         with self._lock:
             self.waiting.appendleft(r)
 
+    def _spec_step(self, r: _Req) -> bool:
+        """Speculative decode for one greedy request: verify ``[last] + drafts`` in one forward,
+        keep the agreeing prefix plus the bonus token, and rebuild the state after exactly those
+        tokens by replaying the window's cached projections. False if it did not apply."""
+        if r.sp.temperature != 0:
+            return False
+        room = min((r.done // self.H + 1) * self.H - r.done,  # never cross a hash boundary
+                   self.max_len - r.done, r.sp.max_tokens - len(r.out)) - 1
+        drafts = self.drafter.propose(r.tokens, min(self.speculative, room)) if room > 0 else []
+        if not drafts:
+            return False
+        window = np.zeros(self.speculative + 1, np.int32)
+        window[0], window[1 : 1 + len(drafts)] = r.out[-1], drafts
+        self._note_compile(("verify", self.speculative + 1))
+        logits, after, win = self._verify(self.params, jnp.asarray(window), self.caches, r.slot)
+        preds = np.argmax(np.asarray(logits), axis=-1)
+        n = 0
+        while n < len(drafts) and drafts[n] == preds[n]:
+            n += 1
+        self.metrics["spec_proposed"] += len(drafts)
+        self.metrics["spec_accepted"] += n
+        for i in range(n):
+            self._emit_token(r, drafts[i])
+            if r.rid not in self.running:  # a stop token or max_tokens among the drafts
+                return True
+        self._note_compile(("commit", self.speculative + 1))
+        self.caches = self._commit(self.caches, r.slot, after, win, jnp.int32(1 + n))
+        r.done += 1 + n
+        if self._after_forward(r):
+            self._emit_token(r, int(preds[n]))
+        return True
+
     def _emit(self, r: _Req, logits: np.ndarray):
-        tok = sample(logits, r.sp, len(r.out))
+        self._emit_token(r, sample(logits, r.sp, len(r.out)))
+
+    def _emit_token(self, r: _Req, tok: int):
         now = time.perf_counter() - r.t0
         if not r.out:
             self.metrics["ttft_sum_s"] += now
@@ -414,3 +466,28 @@ def sample(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
         p /= p.sum()
     rng = np.random.default_rng(None if sp.seed is None else (sp.seed, index))
     return int(rng.choice(p.size, p=p))
+
+
+class Drafter:
+    """Proposes draft tokens for speculative decoding (a draft model implements the same call)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the last ``n`` tokens (``n`` from
+    ``max_ngram`` down to 1) and propose the ``k`` tokens that followed it."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            suffix = tokens[-n:]
+            for i in range(len(tokens) - n - 1, -1, -1):
+                if tokens[i : i + n] == suffix:
+                    return list(tokens[i + n : i + n + k])
+        return []

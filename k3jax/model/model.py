@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from k3jax.model.config import ModelConfig
 from k3jax.ops.conv import short_conv
-from k3jax.ops.kda import chunk_kda, kda_gate
+from k3jax.ops.kda import chunk_kda, kda_commit, kda_gate, l2norm
 
 HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
@@ -74,20 +74,36 @@ def mlp(p, x):
     return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
 
 
+class WindowInputs(NamedTuple):
+    """What one KDA layer needs to rebuild its state after any prefix of a speculative window
+    (the projection cache): post-conv, L2-normalised ``k [T, HV, K]``, ``v [T, HV, V]``,
+    ``g [T, HV, K]``, ``beta [T, HV]``, and the raw pre-conv inputs ``raw [T, 3*HV*K]``."""
+
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+    raw: jax.Array
+
+
 def kda_attention(cfg: ModelConfig, p, x, state, conv_state, kernels: Kernels):
-    """KDA sublayer for ``x [T, D]`` from ``state [HV, K, V]`` and ``conv_state [W - 1, 3*HV*K]``."""
+    """KDA sublayer for ``x [T, D]`` from ``state [HV, K, V]`` and ``conv_state [W - 1, 3*HV*K]``.
+
+    Returns ``(out [T, D], state, conv_state, WindowInputs)``."""
     T = x.shape[0]
     HV, K = cfg.linear_num_heads, cfg.linear_head_dim
-    qkv = jnp.concatenate([linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])], axis=-1)
-    qkv, conv_state = kernels.short_conv(qkv[None], p["conv"], activation="silu", initial_state=conv_state[None])
+    raw = jnp.concatenate([linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])], axis=-1)
+    qkv, conv_state = kernels.short_conv(raw[None], p["conv"], activation="silu", initial_state=conv_state[None])
     q, k, v = (a.reshape(1, T, HV, K) for a in jnp.split(qkv[0], 3, axis=-1))
     g = kda_gate(linear(linear(x, p["f_a"]), p["f_b"]).reshape(1, T, HV, K), p["A_log"].reshape(HV), p["dt_bias"],
                  lower_bound=cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(linear(x, p["b"]))[None]
-    o, state = kernels.chunk_kda(q, k, v, g, beta, initial_state=state[None], use_qk_l2norm=True)
+    q, k = l2norm(q), l2norm(k)
+    o, state = kernels.chunk_kda(q, k, v, g, beta, initial_state=state[None])
     gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
     o = rms_norm(o[0], p["o_norm"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.reshape(T, HV, K))
-    return linear(o.reshape(T, HV * K), p["o"]), state[0], conv_state[0]
+    window = WindowInputs(k[0], v[0], g[0], beta[0], raw)
+    return linear(o.reshape(T, HV * K), p["o"]), state[0], conv_state[0], window
 
 
 def mla_attention(cfg: ModelConfig, p, x, kv_cache, pos):
@@ -152,19 +168,23 @@ def moe(cfg: ModelConfig, p, x):
     return jnp.zeros((T, D), f32).at[tok].add(y) + mlp(p["shared"], x)
 
 
-def forward(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Kernels = Kernels()):
+def forward(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Kernels = Kernels(),
+            return_window: bool = False):
     """Run ``token_ids i32[T]`` after the ``cache.pos`` tokens already in ``cache``.
 
-    Returns ``(logits f32[T, vocab], cache)``. Prefill, chunked prefill and decode (T = 1) are all
-    this function; ``T`` must fit: ``cache.pos + T <= S_max``.
+    Returns ``(logits f32[T, vocab], cache)``, plus the per-KDA-layer :class:`WindowInputs` stacked
+    over layers when ``return_window`` (speculative verify). Prefill, chunked prefill and decode
+    (T = 1) are all this function; ``T`` must fit: ``cache.pos + T <= S_max``.
     """
     x = params["embed"][token_ids].astype(f32)
     ks, cs, kv = list(cache.kda_state), list(cache.conv_state), list(cache.mla_kv)
+    windows = []
     ik = im = 0
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == "kda":
-            h, ks[ik], cs[ik] = kda_attention(cfg, lp["attn"], h, ks[ik], cs[ik], kernels)
+            h, ks[ik], cs[ik], w = kda_attention(cfg, lp["attn"], h, ks[ik], cs[ik], kernels)
+            windows.append(w)
             ik += 1
         else:
             h, kv[im] = mla_attention(cfg, lp["attn"], h, kv[im], cache.pos)
@@ -177,7 +197,24 @@ def forward(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Ker
     stack = lambda xs, like: jnp.stack(xs) if xs else like
     new = ModelCache(stack(ks, cache.kda_state), stack(cs, cache.conv_state), stack(kv, cache.mla_kv),
                      cache.pos + token_ids.shape[0])
+    if return_window:
+        return linear(x, head), new, jax.tree.map(lambda *a: jnp.stack(a), *windows)
     return linear(x, head), new
+
+
+def commit_window(cfg: ModelConfig, before: ModelCache, after: ModelCache, window: WindowInputs, num_tokens):
+    """The cache after only the first ``num_tokens`` positions of a verified window.
+
+    KDA states are rebuilt by replaying the cached projections from ``before`` (no per-draft state
+    snapshots); the short-conv state is the last ``W - 1`` raw inputs before the cut; MLA latents
+    come from ``after`` (positions past the cut are masked and later overwritten).
+    """
+    replay = lambda S, w: kda_commit(S[None], w.k[None], w.v[None], w.g[None], w.beta[None], num_tokens[None])[0]
+    kda_state = jax.vmap(replay)(before.kda_state, window) if cfg.kda_layers else before.kda_state
+    W1 = cfg.conv_width - 1
+    conv = lambda c, raw: jax.lax.dynamic_slice_in_dim(jnp.concatenate([c, raw.astype(c.dtype)]), num_tokens, W1)
+    conv_state = jax.vmap(conv)(before.conv_state, window.raw) if cfg.kda_layers else before.conv_state
+    return ModelCache(kda_state, conv_state, after.mla_kv, before.pos + num_tokens)
 
 
 def logits(cfg: ModelConfig, params, token_ids, kernels: Kernels = Kernels()):

@@ -131,3 +131,23 @@ def test_loader_rejects_bad_shapes_and_extras(broken_checkpoint):
 def test_bf16_checkpoint_keeps_its_dtype():
     _, params = load_hf_checkpoint(os.path.join(GOLDEN, "dense_bf16"))
     assert params["embed"].dtype == jnp.bfloat16
+
+
+def test_commit_window_equals_running_the_prefix():
+    from k3jax.model import commit_window
+
+    cfg, params = _model(4)
+    ids = jax.random.randint(jax.random.key(5), (30,), 3, cfg.vocab_size)
+    fwd = jax.jit(lambda ids, cache: forward(cfg, params, ids, cache))
+    verify = jax.jit(lambda ids, cache: forward(cfg, params, ids, cache, return_window=True))
+    _, c0 = fwd(ids[:24], init_cache(cfg, 40))
+    _, after, win = verify(ids[24:30], c0)
+    for n in range(0, 7):
+        got = commit_window(cfg, c0, after, win, jnp.int32(n))
+        _, want = fwd(ids[24 : 24 + n], c0) if n else (None, c0)
+        assert rel_rms(got.kda_state, want.kda_state) <= 2e-3
+        np.testing.assert_allclose(np.asarray(got.conv_state), np.asarray(want.conv_state), rtol=1e-6, atol=1e-6)
+        assert int(got.pos) == 24 + n
+        # What follows the committed prefix is the same as after a plain run.
+        nxt = ids[24 + n : 24 + n + 1] if n < 6 else ids[:1]
+        assert rel_rms(fwd(nxt, got)[0], fwd(nxt, want)[0]) <= 1e-4

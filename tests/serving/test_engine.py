@@ -82,3 +82,39 @@ def test_preemption_recomputes_and_never_corrupts(plain):
     assert small.metrics["preemptions"] >= 1
     small.cache.check_invariants()
     assert small.pool.num_used == sum(small.pool.refcount > 0) + small.pool.num_evictable
+
+
+class OracleDrafter:
+    """Proposes a known continuation with every third draft position corrupted, so steps accept
+    all, some or none of their drafts."""
+
+    def __init__(self, prompt_len, continuation):
+        self.n, self.cont = prompt_len, continuation
+
+    def propose(self, tokens, k):
+        i = len(tokens) - self.n
+        out = list(self.cont[i : i + k])
+        return [t if (i + j) % 3 else (t + 1) % 256 for j, t in enumerate(out)]
+
+
+def test_speculative_greedy_equals_plain_greedy(plain):
+    p = prompt(10, 40)
+    want = plain.generate([p], max_tokens=24)[0].token_ids
+    spec = Engine(max_slots=2, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3,
+                  drafter=OracleDrafter(len(p), want))
+    got = spec.generate([p], max_tokens=24)[0].token_ids
+    assert got == want
+    m = spec.metrics
+    assert 0 < m["spec_accepted"] < m["spec_proposed"]
+    # The n-gram drafter on a real run: equal outputs whatever it proposes.
+    ngram = Engine(max_slots=2, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3)
+    assert ngram.generate([p * 3], max_tokens=10)[0].token_ids == plain.generate([p * 3], max_tokens=10)[0].token_ids
+
+
+def test_ngram_drafter():
+    from serving.engine import NgramDrafter
+
+    d = NgramDrafter(max_ngram=3)
+    assert d.propose([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]
+    assert d.propose([5, 6, 7], 2) == []
+    assert d.propose([4, 1, 4], 5) == [1, 4]

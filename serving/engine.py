@@ -105,7 +105,7 @@ class Engine:
 
     Args:
       model: "tiny" (the embedded default: ``configs/tiny.json`` with random weights and a
-        byte-level vocabulary) or a Hugging Face checkpoint directory.
+        byte-level vocabulary), a Hugging Face checkpoint directory, or ``(ModelConfig, params)``.
       max_slots: requests decoded together; max_len: tokens per request (prompt + output).
       prefill_chunk: prefill token budget per step.
       prefix_cache: enable the prefix cache; cache_pages: pool pages backing it.
@@ -114,10 +114,12 @@ class Engine:
         (default: :class:`NgramDrafter`).
     """
 
-    def __init__(self, model: str = "tiny", *, max_slots: int = 4, max_len: int = 2048, prefill_chunk: int = 256,
+    def __init__(self, model="tiny", *, max_slots: int = 4, max_len: int = 2048, prefill_chunk: int = 256,
                  prefix_cache: bool = True, cache_pages: int = 64, hash_tokens: int = 512, kernels: Kernels | None = None,
                  seed: int = 0, dtype=jnp.float32, speculative: int = 0, drafter: "Drafter | None" = None):
-        if model == "tiny":
+        if isinstance(model, tuple):  # (ModelConfig, params), e.g. a random config for benchmarks
+            self.cfg, self.params = model
+        elif model == "tiny":
             self.cfg = ModelConfig.from_json(os.path.join(CONFIGS, "tiny.json"))
             self.params = init_params(self.cfg, jax.random.key(seed), dtype=dtype)
         else:
@@ -140,11 +142,6 @@ class Engine:
         one = init_cache(self.cfg, cache_len)
         self.caches = jax.tree.map(lambda x: jnp.zeros((max_slots,) + x.shape, x.dtype), one)
         self._compiled: set = set()
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=2)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=2)
-        self._set_slot = jax.jit(self._set_slot_fn, donate_argnums=0)
-        self._verify = jax.jit(self._verify_fn)
-        self._commit = jax.jit(self._commit_fn, donate_argnums=0)
         self.speculative = speculative
         self.drafter = drafter or NgramDrafter()
         self.cache = self.pool = None
@@ -159,33 +156,6 @@ class Engine:
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_rejected": 0, "prompt_tokens": 0,
                         "requests_aborted": 0, "generation_tokens": 0, "cached_tokens": 0, "preemptions": 0,
                         "ttft_sum_s": 0.0, "spec_proposed": 0, "spec_accepted": 0}
-
-    # ---- device functions (jitted; caches donated)
-    def _prefill_fn(self, params, ids, caches, slot):
-        c = jax.tree.map(lambda x: x[slot], caches)
-        logits, c = forward(self.cfg, params, ids, c, self.kernels)
-        caches = jax.tree.map(lambda all_, one: all_.at[slot].set(one), caches, c)
-        return logits[-1], caches
-
-    def _decode_fn(self, params, tokens, caches, active):
-        step = lambda tok, c: forward(self.cfg, params, tok[None], c, self.kernels)
-        logits, new = jax.vmap(step)(tokens, caches)
-        keep = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
-        return logits[:, 0], jax.tree.map(keep, new, caches)
-
-    def _verify_fn(self, params, window, caches, slot):
-        c = jax.tree.map(lambda x: x[slot], caches)
-        logits, after, win = forward(self.cfg, params, window, c, self.kernels, return_window=True)
-        return logits, after, win
-
-    def _commit_fn(self, caches, slot, after, win, n):
-        c = commit_window(self.cfg, jax.tree.map(lambda x: x[slot], caches), after, win, n)
-        return jax.tree.map(lambda all_, one: all_.at[slot].set(one), caches, c)
-
-    @staticmethod
-    def _set_slot_fn(caches, slot, kda_state, conv_state, mla_kv, pos):
-        return ModelCache(caches.kda_state.at[slot].set(kda_state), caches.conv_state.at[slot].set(conv_state),
-                          caches.mla_kv.at[slot].set(mla_kv), caches.pos.at[slot].set(pos))
 
     def _note_compile(self, key):
         if key not in self._compiled:
@@ -274,7 +244,7 @@ class Engine:
                 self._restore(req.slot, adm, hit)
             else:  # a recycled slot starts from zero state
                 c = jax.tree.map(lambda x: jnp.zeros_like(x[0]), self.caches)
-                self.caches = self._set_slot(self.caches, req.slot, c.kda_state, c.conv_state, c.mla_kv, c.pos)
+                self.caches = _set_slot(self.caches, req.slot, c.kda_state, c.conv_state, c.mla_kv, c.pos)
             req.done = req.cached = hit
             if not req.out:
                 self.metrics["cached_tokens"] += hit
@@ -294,7 +264,7 @@ class Engine:
         if lat:
             rows = jnp.concatenate(lat)[:hit]  # [hit, nm, L + R]
             mla = mla.at[:, :hit].set(jnp.swapaxes(rows, 0, 1))
-        self.caches = self._set_slot(self.caches, slot, kda, conv, mla, jnp.int32(hit))
+        self.caches = _set_slot(self.caches, slot, kda, conv, mla, jnp.int32(hit))
 
     def _decode_step(self):
         dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
@@ -307,7 +277,7 @@ class Engine:
         for r in dec:
             tokens[r.slot], active[r.slot] = r.out[-1], True
         self._note_compile(("decode", self.max_slots))
-        logits, self.caches = self._decode(self.params, jnp.asarray(tokens), self.caches, jnp.asarray(active))
+        logits, self.caches = _decode(self.cfg, self.kernels, self.params, jnp.asarray(tokens), self.caches, jnp.asarray(active))
         logits = np.asarray(logits)
         for r in dec:
             r.done += 1
@@ -325,7 +295,7 @@ class Engine:
                 next_boundary = (r.done // self.H + 1) * self.H
                 n = _bucket_floor(min(end - r.done, budget, next_boundary - r.done))
                 self._note_compile(("prefill", n))
-                last, self.caches = self._prefill(self.params, jnp.asarray(toks[r.done : r.done + n], jnp.int32),
+                last, self.caches = _prefill(self.cfg, self.kernels, self.params, jnp.asarray(toks[r.done : r.done + n], jnp.int32),
                                                   self.caches, r.slot)
                 r.done += n
                 budget -= n
@@ -389,7 +359,7 @@ class Engine:
         window = np.zeros(self.speculative + 1, np.int32)
         window[0], window[1 : 1 + len(drafts)] = r.out[-1], drafts
         self._note_compile(("verify", self.speculative + 1))
-        logits, after, win = self._verify(self.params, jnp.asarray(window), self.caches, r.slot)
+        logits, after, win = _verify(self.cfg, self.kernels, self.params, jnp.asarray(window), self.caches, r.slot)
         preds = np.argmax(np.asarray(logits), axis=-1)
         n = 0
         while n < len(drafts) and drafts[n] == preds[n]:
@@ -401,7 +371,7 @@ class Engine:
             if r.rid not in self.running:  # a stop token or max_tokens among the drafts
                 return True
         self._note_compile(("commit", self.speculative + 1))
-        self.caches = self._commit(self.caches, r.slot, after, win, jnp.int32(1 + n))
+        self.caches = _commit(self.cfg, self.caches, r.slot, after, win, jnp.int32(1 + n))
         r.done += 1 + n
         if self._after_forward(r):
             self._emit_token(r, int(preds[n]))
@@ -467,6 +437,44 @@ def sample(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
     rng = np.random.default_rng(None if sp.seed is None else (sp.seed, index))
     return int(rng.choice(p.size, p=p))
 
+
+
+# Device functions, jitted at module level with the config and kernels static, so engines of one
+# model share compilations; the slot caches are donated.
+def _slot(caches, slot):
+    return jax.tree.map(lambda x: x[slot], caches)
+
+
+def _put(caches, slot, c):
+    return jax.tree.map(lambda all_, one: all_.at[slot].set(one), caches, c)
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=4)
+def _prefill(cfg, kernels, params, ids, caches, slot):
+    logits, c = forward(cfg, params, ids, _slot(caches, slot), kernels)
+    return logits[-1], _put(caches, slot, c)
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=4)
+def _decode(cfg, kernels, params, tokens, caches, active):
+    logits, new = jax.vmap(lambda tok, c: forward(cfg, params, tok[None], c, kernels))(tokens, caches)
+    keep = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+    return logits[:, 0], jax.tree.map(keep, new, caches)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _verify(cfg, kernels, params, window, caches, slot):
+    return forward(cfg, params, window, _slot(caches, slot), kernels, return_window=True)
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _commit(cfg, caches, slot, after, win, n):
+    return _put(caches, slot, commit_window(cfg, _slot(caches, slot), after, win, n))
+
+
+@partial(jax.jit, donate_argnums=0)
+def _set_slot(caches, slot, kda_state, conv_state, mla_kv, pos):
+    return _put(caches, slot, ModelCache(kda_state, conv_state, mla_kv, pos))
 
 class Drafter:
     """Proposes draft tokens for speculative decoding (a draft model implements the same call)."""

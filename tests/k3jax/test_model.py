@@ -142,7 +142,7 @@ def test_commit_window_equals_running_the_prefix():
     verify = jax.jit(lambda ids, cache: forward(cfg, params, ids, cache, return_window=True))
     _, c0 = fwd(ids[:24], init_cache(cfg, 40))
     _, after, win = verify(ids[24:30], c0)
-    for n in range(0, 7):
+    for n in (0, 2, 6):  # none, some and all of the window
         got = commit_window(cfg, c0, after, win, jnp.int32(n))
         _, want = fwd(ids[24 : 24 + n], c0) if n else (None, c0)
         assert rel_rms(got.kda_state, want.kda_state) <= 2e-3

@@ -74,7 +74,7 @@ def test_invalid_prompts_are_rejected(cached):
 def test_preemption_recomputes_and_never_corrupts(plain):
     # A 4-page pool: two requests fit at admission, but crossing the 512 boundary while
     # decoding needs a checkpoint and a new block, so one is preempted and recomputed later.
-    small = Engine(max_slots=2, max_len=1200, prefill_chunk=256, cache_pages=4)
+    small = Engine(max_slots=3, max_len=1200, prefill_chunk=256, cache_pages=4)
     ps = [prompt(8, 500), prompt(9, 505)]
     got = small.generate(ps, max_tokens=20)
     want = plain.generate(ps, max_tokens=20)
@@ -100,14 +100,14 @@ class OracleDrafter:
 def test_speculative_greedy_equals_plain_greedy(plain):
     p = prompt(10, 40)
     want = plain.generate([p], max_tokens=24)[0].token_ids
-    spec = Engine(max_slots=2, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3,
+    spec = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3,
                   drafter=OracleDrafter(len(p), want))
     got = spec.generate([p], max_tokens=24)[0].token_ids
     assert got == want
     m = spec.metrics
     assert 0 < m["spec_accepted"] < m["spec_proposed"]
     # The n-gram drafter on a real run: equal outputs whatever it proposes.
-    ngram = Engine(max_slots=2, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3)
+    ngram = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3)
     assert ngram.generate([p * 3], max_tokens=10)[0].token_ids == plain.generate([p * 3], max_tokens=10)[0].token_ids
 
 

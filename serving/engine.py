@@ -255,7 +255,9 @@ class Engine:
         (ks, cs), nk = self._kda_shapes, len(self.cfg.kda_layers)
         n_k = nk * int(np.prod(ks))
         words = self.pool.read_f32(adm.copy_state_from[0], (n_k + nk * int(np.prod(cs)),))
-        kda, conv = words[:n_k].reshape((nk,) + ks), words[n_k:].reshape((nk,) + cs)
+        # Pages hold the state head-contiguous, [HV, layers, K, V]; the slot keeps [layers, HV, K, V].
+        kda = jnp.swapaxes(words[:n_k].reshape((ks[0], nk) + ks[1:]), 0, 1)
+        conv = words[n_k:].reshape((nk,) + cs)
         blocks = adm.block_table[: -(-hit // self.B)]
         if adm.copy_block_from is not None:
             blocks[-1] = adm.copy_block_from
@@ -324,7 +326,8 @@ class Engine:
             return False
         for tok, pages in writes:
             assert tok == r.done, "a checkpoint must be the state the slot holds"
-            state = jnp.concatenate([self.caches.kda_state[r.slot].reshape(-1), self.caches.conv_state[r.slot].reshape(-1)])
+            state = jnp.concatenate([jnp.swapaxes(self.caches.kda_state[r.slot], 0, 1).reshape(-1),
+                                     self.caches.conv_state[r.slot].reshape(-1)])
             self.pool.write_f32(pages[0], state, KDA)
         if r.done % self.H == 0:
             # A hash block completed: its physical block's page gets the slot's latents

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import time
 from functools import partial
 
 import jax
@@ -27,13 +28,18 @@ MID = {
 }
 
 
+def mid_model():
+    """The MID config with bf16 random weights: ``(ModelConfig, params)``."""
+    cfg = ModelConfig.from_hf_dict(MID)
+    return cfg, init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--decode-steps", type=int, default=32)
     a = ap.parse_args()
-    cfg = ModelConfig.from_hf_dict(MID)
-    params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    cfg, params = mid_model()
     n_params = sum(x.size for x in jax.tree.leaves(params))
     fwd = jax.jit(partial(forward, cfg), donate_argnums=2)
     ids = [jax.random.randint(jax.random.key(s), (a.T,), 3, cfg.vocab_size) for s in (1, 2)]
@@ -45,7 +51,6 @@ def main():
     tok = jnp.argmax(logits[-1:], axis=-1).astype(jnp.int32)
     fwd(params, tok, cache)  # compile the T = 1 shape
     logits, cache = prefill(ids[0])
-    import time
     ts = []
     for _ in range(a.decode_steps):
         t0 = time.perf_counter()

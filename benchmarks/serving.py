@@ -12,12 +12,10 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import HBM_BYTES_PER_S, write_json
-from benchmarks.model import MID
-from k3jax.model import ModelConfig, init_params
+from benchmarks.model import mid_model
 from serving.engine import Engine
 
 
@@ -57,8 +55,7 @@ def main():
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
     a = ap.parse_args()
-    cfg = ModelConfig.from_hf_dict(MID)
-    params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    cfg, params = mid_model()
     kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256)
     rows = {}
     for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})):

@@ -89,7 +89,6 @@ class _Req:
     finished: threading.Event = field(default_factory=threading.Event)
     result: Result | None = None
     aborted: bool = False
-    preemptions: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -261,11 +260,9 @@ class Engine:
         blocks = adm.block_table[: -(-hit // self.B)]
         if adm.copy_block_from is not None:
             blocks[-1] = adm.copy_block_from
-        lat = [self.pool.read_f32(b[0], self._mla_shape) for b in blocks]
-        mla = jnp.zeros_like(self.caches.mla_kv[slot])
-        if lat:
-            rows = jnp.concatenate(lat)[:hit]  # [hit, nm, L + R]
-            mla = mla.at[:, :hit].set(jnp.swapaxes(rows, 0, 1))
+        # One gather for all hit blocks (hit > 0, so there is at least one).
+        rows = self.pool.read_f32_pages([b[0] for b in blocks], self._mla_shape).reshape((-1,) + self._mla_shape[1:])
+        mla = jnp.zeros_like(self.caches.mla_kv[slot]).at[:, :hit].set(jnp.swapaxes(rows[:hit], 0, 1))
         self.caches = _set_slot(self.caches, slot, kda, conv, mla, jnp.int32(hit))
 
     def _decode_step(self):
@@ -292,8 +289,8 @@ class Engine:
             if budget <= 0:
                 break
             toks = r.tokens
-            while budget > 0 and r.done < len(toks) - (1 if r.out else 0):
-                end = len(toks) - (1 if r.out else 0)  # a preempted request re-feeds its output but the last token
+            end = len(toks) - (1 if r.out else 0)  # a preempted request re-feeds its output but the last token
+            while budget > 0 and r.done < end:
                 next_boundary = (r.done // self.H + 1) * self.H
                 n = _bucket_floor(min(end - r.done, budget, next_boundary - r.done))
                 self._note_compile(("prefill", n))
@@ -340,7 +337,6 @@ class Engine:
     def _preempt(self, r: _Req):
         """Out of pool pages: drop the request's slot and recompute it later from its tokens."""
         self.metrics["preemptions"] += 1
-        r.preemptions += 1
         self.cache.abort(r.rid)
         del self.running[r.rid]
         self.free_slots.append(r.slot)

@@ -169,11 +169,6 @@ class PagePool:
             else:
                 self._release(page)
 
-    def touch(self, page: int):
-        """Mark a cached, unreferenced page as recently used."""
-        if page in self._lru:
-            self._lru.move_to_end(page)
-
     def set_cached(self, page: int, cached: bool):
         """Register (or unregister) a page in the prefix cache; an unregistered idle page is freed."""
         page = self.check(page)
@@ -209,8 +204,12 @@ class PagePool:
 
     def read_f32(self, page: int, shape) -> jax.Array:
         """Read the first ``prod(shape)`` words of a written page as ``f32[shape]``."""
-        page = self._readable(page)
-        return _read_f32(self._storage(), page, tuple(shape))
+        return self.read_f32_pages([page], shape)[0]
+
+    def read_f32_pages(self, pages, shape) -> jax.Array:
+        """Read several written pages in one gather: ``f32[len(pages), *shape]``."""
+        ids = jnp.asarray([self._readable(p) for p in pages], jnp.int32)
+        return _read_f32(self._storage(), ids, tuple(shape))
 
     def write_kda_state(self, page: int, state: jax.Array):
         """Write ``f32[HV, layers, K, V]`` (head-contiguous) into a KDA page."""
@@ -255,9 +254,9 @@ def _write_words(words, page, data):
 
 
 @partial(jax.jit, static_argnums=2)
-def _read_f32(words, page, shape):
+def _read_f32(words, pages, shape):
     n = int(np.prod(shape))
-    return jax.lax.bitcast_convert_type(words[page, :n], jnp.float32).reshape(shape)
+    return jax.lax.bitcast_convert_type(words[pages, :n], jnp.float32).reshape((pages.shape[0],) + shape)
 
 
 @partial(jax.jit, static_argnums=2)

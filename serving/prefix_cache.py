@@ -221,7 +221,7 @@ class PrefixCache:
             raise ValueError(f"request {req_id!r} is already admitted")
         if num_tokens <= 0:
             raise ValueError("a request needs at least one token")
-        H, r = self.cfg.hash_tokens, self.cfg.hashes_per_block
+        H = self.cfg.hash_tokens
         hit = self.lookup(hashes[: (num_tokens - 1) // H])
         self.metrics["queries"] += 1
         self.metrics["query_tokens"] += num_tokens

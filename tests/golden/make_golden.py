@@ -7,7 +7,6 @@ Each case directory gets config.json, safetensors weights and golden.npz (token_
 """
 
 import json
-import math
 import os
 import sys
 

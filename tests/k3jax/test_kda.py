@@ -1,6 +1,5 @@
 """Property tests for the pure-JAX KDA references (recurrent, chunked, checkpoints, decode)."""
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from k3jax.ops import kda
-from tests.helpers import TOL, assert_close, kda_inputs, random_cu_seqlens, random_state, rel_rms
+from tests.helpers import assert_close, kda_inputs, random_cu_seqlens, random_state, rel_rms
 
 naive = jax.jit(kda.naive_recurrent_kda, static_argnames=("scale", "use_qk_l2norm"))
 chunk = jax.jit(kda.chunk_kda, static_argnames=("scale", "chunk_size", "checkpoint_stride", "use_qk_l2norm"))

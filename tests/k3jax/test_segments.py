@@ -1,7 +1,6 @@
 """The (M, E) segment algebra and the scan-based prefill built on it."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st

@@ -1,0 +1,204 @@
+"""Speculative verify + commit: replay (ours) vs the snapshot baseline, and the decode step vs fla.
+
+Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.kda_spec_decode`` (fla-core importable for
+the decode comparison). Each point is checked against the k3jax reference on a few rows before
+it is timed. Prints a table and writes ``$OUT/kda_spec_decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import HBM_BYTES_PER_S, rel_rms, time_torch, to_torch, write_json
+from k3jax.ops import kda as ref
+from k3jax.ops.kda import kda_gate, l2norm
+from pallas_kernels import kda
+
+K = V = 128
+STATE_BYTES = K * V * 4
+
+
+def window_inputs(seed, B, T, H):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = l2norm(jax.random.normal(ks[0], (B, T, H, K))).astype(jnp.bfloat16)
+    k = l2norm(jax.random.normal(ks[1], (B, T, H, K))).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, H, V), jnp.bfloat16)
+    g = kda_gate(jax.random.normal(ks[3], (B, T, H, K)), jnp.zeros(H), jnp.zeros(H * K))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))).astype(jnp.bfloat16)
+    return q, k, v, g, beta
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def replay_step(pool, slots, n, q, k, v, g, beta):
+    o = kda.kda_verify(pool, slots, q, k, v, g, beta)
+    return o, kda.kda_commit(pool, slots, k, v, g, beta, n)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def snapshot_step(pool, slots, n, q, k, v, g, beta):
+    o, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta)
+    return o, kda.kda_commit_snapshot(pool, slots, snaps, n)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def decode_step(pool, slots, q, k, v, g, beta):
+    return kda.kda_decode(pool, slots, q, k, v, g, beta)
+
+
+def time_threaded(step, pool, args_list, *, warmup=3, repeats=20):
+    """Median seconds of ``pool = step(pool, *args)[-1]``, threading the donated pool."""
+    ts = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        out = step(pool, *args_list[i % len(args_list)])
+        jax.block_until_ready(out)
+        pool = out[-1]
+        if i >= warmup:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), pool
+
+
+def check(B, T, H):
+    """Replay and snapshot against the reference on a small batch of the same head count."""
+    b = min(B, 4)
+    q, k, v, g, beta = window_inputs(99, b, T, H)
+    pool = jax.random.normal(jax.random.key(5), (b + 1, H, K, V), jnp.float32)
+    slots = jnp.arange(b, dtype=jnp.int32)[::-1] + 1
+    n = jnp.arange(b, dtype=jnp.int32) % (T + 1)
+    dense = pool[slots]
+    o_ref = ref.kda_verify(dense, q, k, v, g, beta)
+    s_ref = ref.kda_commit(dense, k, v, g, beta, n)
+    o1, p1 = replay_step(jnp.array(pool), slots, n, q, k, v, g, beta)
+    o2, p2 = snapshot_step(jnp.array(pool), slots, n, q, k, v, g, beta)
+    errs = [rel_rms(o1, o_ref), rel_rms(p1[slots], s_ref), rel_rms(o2, o_ref), rel_rms(p2[slots], s_ref)]
+    return max(errs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--windows", default="2,4,8")
+    ap.add_argument("--heads", default="12,32,96")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tune", action="store_true", help="sweep the GPU kernel's block_v / num_warps and exit")
+    a = ap.parse_args()
+    if a.tune:
+        return tune(a.repeats)
+    dev = jax.devices()[0].device_kind
+    rows = []
+    for H in map(int, a.heads.split(",")):
+        for T in map(int, a.windows.split(",")):
+            err = check(8, T, H)
+            for B in map(int, a.batches.split(",")):
+                row = {"H": H, "T": T, "B": B, "max_err": err}
+                rows.append(row)
+                if err > 5e-3:
+                    row["status"] = "MISMATCH: speed not reported"
+                    continue
+                num_slots = 2 * B
+                slots = jnp.asarray(np.random.default_rng(B).permutation(num_slots)[:B].astype(np.int32))
+                xs = [window_inputs(s, B, T, H) for s in (1, 2)]
+                rng = np.random.default_rng(T)
+                args = [(slots, jnp.asarray(rng.integers(0, T + 1, B).astype(np.int32)), *x) for x in xs]
+                pool = jax.random.normal(jax.random.key(0), (num_slots, H, K, V), jnp.float32)
+                t_replay, pool = time_threaded(replay_step, pool, args, repeats=a.repeats)
+                t_snap, pool = time_threaded(snapshot_step, pool, args, repeats=a.repeats)
+                del pool
+                win_bytes = B * T * H * (2 * K * 2 + V * 2 + K * 4 + 2) + B * T * H * V * 2
+                # Replay: read state (verify) + read and write it (commit). Snapshot: read state,
+                # write T states, read one back, write it to the pool.
+                replay_bytes = 3 * B * H * STATE_BYTES + 2 * win_bytes
+                snap_bytes = (3 + T) * B * H * STATE_BYTES + win_bytes
+                row.update(
+                    replay_us=t_replay * 1e6,
+                    snapshot_us=t_snap * 1e6,
+                    speedup=t_snap / t_replay,
+                    replay_frac_bw=replay_bytes / HBM_BYTES_PER_S / t_replay,
+                    snapshot_frac_bw=snap_bytes / HBM_BYTES_PER_S / t_snap,
+                    scratch_bytes_per_request_replay=T * H * (2 * K * 2 + V * 2 + K * 4 + 2),
+                    scratch_bytes_per_request_snapshot=T * H * STATE_BYTES,
+                )
+                print(row, flush=True)
+    decode_rows = decode_vs_fla(a.heads, a.batches, a.repeats)
+    meta = {"device": dev, "date": datetime.date.today().isoformat(), "jax": jax.__version__}
+    path = write_json({"meta": meta, "spec": rows, "decode": decode_rows}, "kda_spec_decode.json")
+    print(f"\n{dev}  ->  {path}")
+    print(f"{'H':>3} {'T':>2} {'B':>4} {'replay us':>10} {'snap us':>10} {'x':>6} {'bw% r':>6} {'bw% s':>6}")
+    for r in rows:
+        if "replay_us" in r:
+            print(f"{r['H']:>3} {r['T']:>2} {r['B']:>4} {r['replay_us']:>10.1f} {r['snapshot_us']:>10.1f} "
+                  f"{r['speedup']:>6.2f} {100 * r['replay_frac_bw']:>6.1f} {100 * r['snapshot_frac_bw']:>6.1f}")
+        else:
+            print(r)
+    print(f"\n{'H':>3} {'B':>4} {'ours us':>8} {'fla us':>8} {'fla/ours':>8} {'bw% ours':>8}")
+    for r in decode_rows:
+        print(f"{r['H']:>3} {r['B']:>4} {r['ours_us']:>8.1f} {r.get('fla_us', float('nan')):>8.1f} "
+              f"{r.get('fla_over_ours', float('nan')):>8.2f} {100 * r['ours_frac_bw']:>8.1f}")
+
+
+def tune(repeats, H=32, B=256, T=8):
+    """Commit and verify latency of the GPU kernel per (block_v, num_warps) at one shape."""
+    from pallas_kernels.kda import decode_gpu
+    from pallas_kernels.kda._window import COMMIT, VERIFY
+
+    q, k, v, g, beta = window_inputs(1, B, T, H)
+    slots = jnp.asarray(np.random.default_rng(0).permutation(2 * B)[:B].astype(np.int32))
+    n = jnp.full((B,), T // 2, jnp.int32)
+    pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
+    for bv, nw in [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (64, 16), (128, 8), (128, 16)]:
+        opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw)
+        commit = jax.jit(lambda p, s, n, k, v, g, b: (decode_gpu.window_call(p, s, n, None, k, v, g, b, mode=COMMIT, **opts)[2],),
+                         donate_argnums=(0,))
+        verify = jax.jit(lambda p, s, n, q, k, v, g, b: (decode_gpu.window_call(p, s, n, q, k, v, g, b, mode=VERIFY, **opts)[0], p))
+        t_commit, pool = time_threaded(commit, pool, [(slots, n, k, v, g, beta)], repeats=repeats)
+        t_verify, pool = time_threaded(verify, pool, [(slots, n, q, k, v, g, beta)], repeats=repeats)
+        print(f"block_v={bv:>3} num_warps={nw:>2}  commit {t_commit * 1e6:7.0f} us  verify {t_verify * 1e6:7.0f} us", flush=True)
+
+
+def decode_vs_fla(heads, batches, repeats):
+    """One-token decode on a slot pool: ours vs fla's fused_recurrent_kda with state indices, in place."""
+    try:
+        import torch
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        fused_recurrent_kda_fwd = None
+    rows = []
+    for H in map(int, heads.split(",")):
+        for B in map(int, batches.split(",")):
+            q, k, v, g, beta = window_inputs(3, B, 1, H)
+            num_slots = 2 * B
+            slots = jnp.asarray(np.random.default_rng(B).permutation(num_slots)[:B].astype(np.int32))
+            pool = jax.random.normal(jax.random.key(1), (num_slots, H, K, V), jnp.float32)
+            o, new_pool = decode_step(jnp.array(pool), slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+            o_ref, s_ref = ref.kda_decode_step(pool[slots], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+            row = {"H": H, "B": B, "err_out": rel_rms(o, o_ref), "err_state": rel_rms(new_pool[slots], s_ref)}
+            args = [(slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])]
+            t, pool = time_threaded(decode_step, pool, args, repeats=repeats)
+            bytes_moved = 2 * B * H * STATE_BYTES
+            row.update(ours_us=t * 1e6, ours_frac_bw=bytes_moved / HBM_BYTES_PER_S / t)
+            if fused_recurrent_kda_fwd is not None:
+                tq, tk, tv, tg, tb = (to_torch(x) for x in (q, k, v, g, beta))
+                tpool = torch.from_dlpack(jax.random.normal(jax.random.key(1), (num_slots, H, K, V), jnp.float32))
+                tslots = torch.from_dlpack(slots).long()
+                o_f, _ = fused_recurrent_kda_fwd(tq, tk, tv, tg, tb, initial_state=tpool, inplace_final_state=True,
+                                                 ssm_state_indices=tslots, output_final_state=True)
+                row["fla_err_out"] = rel_rms(jnp.from_dlpack(o_f.float().contiguous())[:, 0], o_ref)
+                f = lambda: fused_recurrent_kda_fwd(tq, tk, tv, tg, tb, initial_state=tpool, inplace_final_state=True,
+                                                    ssm_state_indices=tslots, output_final_state=True)
+                row["fla_us"] = time_torch(f, [()], repeats=repeats) * 1e6
+                row["fla_over_ours"] = row["fla_us"] / row["ours_us"]
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The per-(row, value head) window math shared by the TPU and GPU decode kernels.
+
+Everything is 2-D so both backends lower it without reshapes: K-indexed vectors are columns
+``[K, 1]``, V-indexed vectors rows ``[1, V]``, the state ``f32[K, V]`` (K-first, as everywhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What one window kernel does.
+
+    readout: emit ``o`` at every position; write_state: write the state after ``n`` positions
+    back to the slot (``n`` = the whole window unless ``per_row_n``); snapshot: write the state
+    after every position to a scratch output (the baseline); per_row_n: replay only the row's
+    first ``num_accepted[b]`` positions.
+    """
+
+    readout: bool
+    write_state: bool
+    snapshot: bool = False
+    per_row_n: bool = False
+
+
+DECODE = Mode(readout=True, write_state=True)
+VERIFY = Mode(readout=True, write_state=False)
+COMMIT = Mode(readout=False, write_state=True, per_row_n=True)
+VERIFY_SNAPSHOT = Mode(readout=True, write_state=False, snapshot=True)
+
+
+def delta_update(S, k_col, v_row, g_col, b):
+    """One token: decay, delta-rule correction, rank-1 write. S: f32[K, V]; b: [1, 1]."""
+    S = S * jnp.exp(g_col)
+    u = b * (v_row - jnp.sum(k_col * S, axis=0, keepdims=True))
+    return S + k_col * u
+
+
+def readout(S, q_col, scale):
+    """``o = scale * q^T S`` as a row ``[1, V]``."""
+    return jnp.sum(q_col * S, axis=0, keepdims=True) * scale

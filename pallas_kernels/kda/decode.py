@@ -1,0 +1,161 @@
+"""Public KDA decode kernels on a slot pool: one-token step, speculative verify, commit by replay.
+
+The pool ``f32[num_slots, HV, K, V]`` is donated and updated in place. Rows whose slot id is out
+of ``[0, num_slots)`` are padding: they read and write nothing and their outputs are zero.
+Concrete slot ids (NumPy, as the serving loop passes them) are validated: ids ``>= num_slots``
+or ``< -1`` and repeated ids raise ``ValueError``; use ``-1`` for padding rows.
+
+The snapshot baseline (:func:`kda_verify_snapshot` + :func:`kda_commit_snapshot`) writes one
+state per window position and commits by picking one; it exists to be measured against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kda import decode_gpu, decode_tpu
+from pallas_kernels.kda._window import COMMIT, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode
+
+
+def default_interpret(interpret):
+    """``None`` means: run the TPU kernel in interpret mode on CPU, compile it elsewhere."""
+    if interpret is None:
+        return pltpu.InterpretParams() if jax.default_backend() == "cpu" else False
+    return interpret
+
+
+def _backend_module(backend):
+    backend = backend or jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm"):
+        return decode_gpu
+    if backend in ("tpu", "cpu"):
+        return decode_tpu
+    raise ValueError(f"no KDA decode kernel for backend {backend!r}")
+
+
+def _check(pool, slot_ids, q, k, v, g, beta, window: bool):
+    if pool.ndim != 4 or pool.dtype != jnp.float32:
+        raise ValueError(f"state_pool must be f32[num_slots, HV, K, V], got {pool.dtype}{list(pool.shape)}")
+    num_slots, HV, K, V = pool.shape
+    lead = k.shape[:2] if window else k.shape[:1]
+    B = lead[0]
+    H = k.shape[-2]
+    want = {"k": (*lead, H, K), "v": (*lead, HV, V), "g": (*lead, HV, K), "beta": (*lead, HV)}
+    if q is not None:
+        want["q"] = (*lead, H, K)
+    got = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, shape in want.items():
+        if tuple(got[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for pool {pool.shape}, got {tuple(got[name].shape)}")
+    if HV % H:
+        raise ValueError(f"value heads HV={HV} must be a multiple of q/k heads H={H}")
+    if slot_ids.shape != (B,) or not jnp.issubdtype(slot_ids.dtype, jnp.integer):
+        raise ValueError(f"slot_ids must be int[{B}], got {slot_ids.dtype}{list(slot_ids.shape)}")
+    if not isinstance(slot_ids, jax.core.Tracer):
+        ids = np.asarray(slot_ids)
+        if np.any(ids >= num_slots) or np.any(ids < -1):
+            raise ValueError(f"slot ids must be in [0, {num_slots}) or -1 for padding, got {ids.tolist()}")
+        live = ids[ids >= 0]
+        if len(np.unique(live)) != len(live):
+            raise ValueError(f"slot ids of live rows must be distinct, got {ids.tolist()}")
+
+
+def _impl(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret, backend):
+    impl = _backend_module(backend)
+    return impl.window_call(
+        pool, slot_ids.astype(jnp.int32), num_accepted.astype(jnp.int32), q, k, v, g, beta,
+        mode=mode, scale=scale, interpret=interpret,
+    )
+
+
+_STATIC = ("mode", "scale", "interpret", "backend")
+_run_in_place = jax.jit(_impl, static_argnames=_STATIC, donate_argnums=(0,))
+_run_read_only = jax.jit(_impl, static_argnames=_STATIC)
+
+
+def _call(mode, pool, slot_ids, num_accepted, q, k, v, g, beta, scale, interpret, backend):
+    scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
+    run = _run_in_place if mode.write_state else _run_read_only
+    return run(
+        pool, jnp.asarray(slot_ids), jnp.asarray(num_accepted), q, k, v, g, beta,
+        mode=mode, scale=scale, interpret=default_interpret(interpret), backend=backend,
+    )
+
+
+def kda_decode(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
+    """One decode token per row, updating each row's slot in place.
+
+    Args:
+      state_pool: ``f32[num_slots, HV, K, V]`` (donated); slot_ids: ``int[B]`` (-1: padding row);
+      q, k: ``[B, H, K]``; v: ``[B, HV, V]``; g: ``[B, HV, K]`` log decay; beta: ``[B, HV]``.
+      interpret: None (auto), False, or ``pltpu.InterpretParams``/True; backend: None (the
+        default device's), "tpu", "gpu" or "cpu" (the TPU kernel interpreted).
+    Returns:
+      ``(o [B, HV, V] in v.dtype, state_pool)``.
+    """
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=False)
+    w = lambda x: x[:, None]
+    o, _, pool = _call(DECODE, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
+                       w(q), w(k), w(v), w(g), w(beta), scale, interpret, backend)
+    return o[:, 0], pool
+
+
+def kda_verify(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
+    """Outputs for a speculative window; reads each row's committed state, writes no state.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``
+      (the window's projected inputs: keep them, they are what :func:`kda_commit` replays).
+    Returns:
+      ``o [B, T, HV, V]``: position ``t`` sees the state after positions ``0..t``.
+    """
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
+    o, _, _ = _call(VERIFY, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
+                    q, k, v, g, beta, scale, interpret, backend)
+    return o
+
+
+def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, interpret=None, backend=None):
+    """Replay each row's first ``num_accepted[b]`` (0..T) window positions into its slot.
+
+    Args:
+      k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``;
+      num_accepted: ``int[B]`` clipped to ``[0, T]``.
+    Returns:
+      the updated ``state_pool``.
+    """
+    _check(state_pool, slot_ids, None, k, v, g, beta, window=True)
+    n = jnp.clip(jnp.asarray(num_accepted), 0, k.shape[1])
+    return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[2]
+
+
+def kda_verify_snapshot(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
+    """Baseline verify: outputs plus the state after every window position.
+
+    Returns:
+      ``(o [B, T, HV, V], snapshots f32[B, T, HV, K, V])``.
+    """
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
+    o, snaps, _ = _call(VERIFY_SNAPSHOT, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
+                        q, k, v, g, beta, scale, interpret, backend)
+    return o, snaps
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def kda_commit_snapshot(state_pool, slot_ids, snapshots, num_accepted):
+    """Baseline commit: copy snapshot ``num_accepted[b] - 1`` into the row's slot (0: unchanged).
+
+    Args:
+      state_pool: ``f32[num_slots, HV, K, V]`` (donated); slot_ids: ``int[B]``;
+      snapshots: ``f32[B, T, HV, K, V]``; num_accepted: ``int[B]``.
+    """
+    num_slots = state_pool.shape[0]
+    n = jnp.clip(num_accepted, 0, snapshots.shape[1])
+    pick = jnp.take_along_axis(snapshots, jnp.maximum(n - 1, 0)[:, None, None, None, None], axis=1)[:, 0]
+    keep = (n > 0) & (slot_ids >= 0)
+    return state_pool.at[jnp.where(keep, slot_ids, num_slots)].set(pick, mode="drop")

@@ -1,0 +1,106 @@
+"""GPU window kernels on a slot pool (Pallas Triton lowering; see README.md for why not Mosaic GPU).
+
+Grid ``(B, HV, V / BV)``: one program per (row, value head, block of BV value columns) holds
+``f32[K, BV]`` of the state in registers (the delta rule is independent across value columns,
+so the split is exact and gives the GPU more programs at small batch).
+Refs are whole arrays indexed with the row's slot id, so padding rows (slot out of range) never
+read or write the pool and unused slots are never touched. The wrapper only reshapes (free):
+K-indexed inputs get a trailing unit axis (columns), V-indexed ones a unit axis before V (rows).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda._window import Mode, delta_update, readout
+
+_F32 = jnp.float32
+
+
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int):
+    it = iter(refs)
+    q_ref = next(it) if mode.readout else None
+    k_ref, v_ref, g_ref, beta_ref, pool_ref = (next(it) for _ in range(5))
+    o_ref = next(it) if mode.readout else None
+    snap_ref = next(it) if mode.snapshot else None
+    pool_out_ref = next(it) if mode.write_state else None
+
+    b, h = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(pl.program_id(2) * BV, BV)
+    hq = h // rep
+    slot = slots_ref[b]
+    valid = (slot >= 0) & (slot < num_slots)
+    n = n_ref[b] if mode.per_row_n else T
+
+    @pl.when(valid)
+    def _():
+        S = pool_ref[slot, h, :, cols]
+        for t in range(T):
+            S_next = delta_update(
+                S,
+                k_ref[b, t, hq].astype(_F32),
+                v_ref[b, t, h, :, cols].astype(_F32),
+                g_ref[b, t, h].astype(_F32),
+                beta_ref[b, t, h].astype(_F32),
+            )
+            S = jnp.where(t < n, S_next, S) if mode.per_row_n else S_next
+            if mode.readout:
+                o_ref[b, t, h, :, cols] = readout(S, q_ref[b, t, hq].astype(_F32), scale).astype(o_ref.dtype)
+            if mode.snapshot:
+                snap_ref[b, t, h, :, cols] = S
+        if mode.write_state:
+            pool_out_ref[slot, h, :, cols] = S
+
+    @pl.when(jnp.logical_not(valid))
+    def _():
+        for t in range(T):
+            if mode.readout:
+                o_ref[b, t, h, :, cols] = jnp.zeros((1, BV), o_ref.dtype)
+            if mode.snapshot:
+                snap_ref[b, t, h, :, cols] = jnp.zeros((snap_ref.shape[-2], BV), _F32)
+
+
+def window_call(
+    pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, block_v=64, num_warps=8
+):
+    """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per program."""
+    num_slots, HV, K, V = pool.shape
+    BV = min(block_v, V)
+    if V % BV:
+        raise ValueError(f"V={V} must be a multiple of block_v={BV}")
+    B, T, H, _ = k.shape
+    col = lambda x: x[..., None]  # [B, T, heads, K, 1]
+    row = lambda x: x[..., None, :]  # [B, T, HV, 1, V]
+    inputs = ([col(q)] if mode.readout else []) + [col(k), row(v), col(g), beta[..., None, None], pool]
+    out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
+    out_shape = []
+    if mode.readout:
+        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, 1, V), out_dtype))
+    if mode.snapshot:
+        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), _F32))
+    aliases = {}
+    if mode.write_state:
+        out_shape.append(jax.ShapeDtypeStruct(pool.shape, pool.dtype))
+        aliases = {2 + len(inputs) - 1: len(out_shape) - 1}
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    kernel = functools.partial(_kernel, mode=mode, T=T, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(B, HV, V // BV),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=compiler_params,
+        interpret=interpret,
+    )(slot_ids, num_accepted, *inputs)
+    outs = list(outs)
+    o = outs.pop(0)[..., 0, :] if mode.readout else None
+    snaps = outs.pop(0) if mode.snapshot else None
+    return o, snaps, (outs.pop(0) if mode.write_state else pool)

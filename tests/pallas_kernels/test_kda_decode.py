@@ -1,0 +1,192 @@
+"""Decode / verify / commit-by-replay kernels on a slot pool against the k3jax references.
+
+Each case runs the TPU kernel in interpret mode (race detection, NaN-initialised scratch, two
+simulated cores, shuffled parallel grid order) and the GPU kernel through the generic
+interpreter; ``-m gpu`` on a GPU runs the compiled GPU kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from jax.experimental.pallas import tpu as pltpu
+
+from k3jax.ops import kda as ref
+from pallas_kernels import kda
+from tests.helpers import assert_close, kda_inputs, random_state
+
+TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=7)
+
+BACKENDS = [
+    pytest.param(dict(backend="cpu", interpret=TPU_INTERPRET), id="tpu-interpret"),
+    pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
+    pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def run(request):
+    opts = request.param
+    if opts["interpret"] is False and jax.default_backend() == "cpu":
+        pytest.skip("compiled kernels need an accelerator")
+    yield opts
+    if opts["interpret"] is TPU_INTERPRET:
+        races = tpu_interpreter.races
+        assert races is None or not races.races_found, "the TPU interpreter detected a data race"
+
+
+def _pool(seed, num_slots, HV, K, V):
+    return random_state(seed, (num_slots, HV, K, V))
+
+
+def _rows(pool, slots):
+    """Dense ``[B, HV, K, V]`` states of the rows (padding rows get slot 0's, ignored)."""
+    return pool[jnp.asarray(np.maximum(slots, 0))]
+
+
+SHAPES = [  # B, T, H, HV, K, V, dtype
+    (3, 4, 2, 4, 16, 64, jnp.float32),
+    (2, 3, 1, 2, 32, 16, jnp.bfloat16),
+    (4, 8, 2, 2, 16, 16, jnp.float32),
+]
+
+
+def _tol(dtype, state=False):
+    return "bf16" if dtype == jnp.bfloat16 else ("f32_state" if state else "f32_out")
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,dtype", SHAPES)
+def test_decode_updates_only_its_slots(run, B, T, H, HV, K, V, dtype):
+    q, k, v, g, beta = kda_inputs(B * 10 + T, B, 1, H, HV, K, V, dtype=dtype)
+    num_slots = B + 3
+    pool = _pool(T, num_slots, HV, K, V)
+    # Slots out of row order, one padding row.
+    slots = np.random.default_rng(T).permutation(num_slots)[:B].astype(np.int32)
+    slots[1] = -1
+    before = np.asarray(pool)
+    o_ref, s_ref = ref.kda_decode_step(_rows(pool, slots), q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    o, pool = kda.kda_decode(pool, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], **run)
+    live = slots >= 0
+    assert o.dtype == v.dtype
+    assert_close(o[live], o_ref[live], _tol(dtype))
+    assert_close(pool[slots[live]], s_ref[live], _tol(dtype, True))
+    assert np.all(np.asarray(o[~live]) == 0)
+    untouched = np.setdiff1d(np.arange(num_slots), slots[live])
+    np.testing.assert_array_equal(np.asarray(pool)[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,dtype", SHAPES)
+def test_verify_then_commit_any_accept_counts(run, B, T, H, HV, K, V, dtype):
+    q, k, v, g, beta = kda_inputs(B + 7 * T, B, T, H, HV, K, V, dtype=dtype)
+    num_slots = B + 2
+    pool = _pool(B, num_slots, HV, K, V)
+    slots = np.arange(num_slots)[::-1][:B].astype(np.int32)
+    dense = _rows(pool, slots)
+    o = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
+    assert_close(o, ref.kda_verify(dense, q, k, v, g, beta), _tol(dtype))
+    # Accept none, all, and mixed counts in one batch.
+    for n in (np.zeros(B, np.int32), np.full(B, T, np.int32), np.arange(B, dtype=np.int32) % (T + 1)):
+        before = np.asarray(pool)
+        new_pool = kda.kda_commit(jnp.asarray(before), slots, k, v, g, beta, n, **run)
+        want = ref.kda_commit(dense, k, v, g, beta, jnp.asarray(n))
+        assert_close(new_pool[slots], want, _tol(dtype, True))
+        rejected = slots[n == 0]
+        np.testing.assert_array_equal(np.asarray(new_pool)[rejected], before[rejected])
+        untouched = np.setdiff1d(np.arange(num_slots), slots)
+        np.testing.assert_array_equal(np.asarray(new_pool)[untouched], before[untouched])
+
+
+def test_window_of_one_is_the_decode_step(run):
+    B, H, HV, K, V = 3, 2, 4, 16, 16
+    q, k, v, g, beta = kda_inputs(5, B, 1, H, HV, K, V)
+    pool = _pool(5, 4, HV, K, V)
+    slots = np.array([2, 0, 3], np.int32)
+    o_win = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
+    committed = kda.kda_commit(jnp.array(pool), slots, k, v, g, beta, np.ones(B, np.int32), **run)
+    o_dec, stepped = kda.kda_decode(jnp.array(pool), slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], **run)
+    assert_close(o_win[:, 0], o_dec, "f32_out")
+    assert_close(committed, stepped, "f32_state")
+
+
+def test_snapshot_baseline_matches_replay(run):
+    B, T, H, HV, K, V = 4, 4, 2, 2, 16, 16
+    q, k, v, g, beta = kda_inputs(11, B, T, H, HV, K, V)
+    pool = _pool(11, 6, HV, K, V)
+    slots = np.array([5, -1, 0, 2], np.int32)
+    n = np.array([3, 2, 0, 4], np.int32)
+    o_snap, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta, **run)
+    o = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
+    np.testing.assert_allclose(np.asarray(o_snap), np.asarray(o), rtol=1e-6, atol=1e-6)
+    by_snapshot = kda.kda_commit_snapshot(jnp.array(pool), jnp.asarray(slots), snaps, jnp.asarray(n))
+    by_replay = kda.kda_commit(jnp.array(pool), slots, k, v, g, beta, n, **run)
+    np.testing.assert_allclose(np.asarray(by_snapshot), np.asarray(by_replay), rtol=1e-5, atol=1e-5)
+
+
+_decode_ref = jax.jit(ref.kda_decode_step)
+
+
+@jax.jit
+def _window_ref(dense, q, k, v, g, beta, n):
+    """Sequential decode over the window: outputs at every position, state after the first n."""
+    window, outs = dense, []
+    for t in range(q.shape[1]):
+        o_t, window = _decode_ref(window, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        outs.append(o_t)
+        dense = jnp.where((t < n)[:, None, None, None], window, dense)
+    return jnp.stack(outs, axis=1), dense
+
+
+def _chain(run, steps, seed):
+    """Verify + commit with random accept counts vs sequential decoding of the committed stream."""
+    B, T, H, HV, K, V = 3, 4, 1, 2, 16, 16
+    rng = np.random.default_rng(seed)
+    pool = _pool(seed, 4, HV, K, V)
+    slots = np.array([3, 0, 1], np.int32)
+    dense = _rows(pool, slots)
+    stream = [x.reshape(steps, B, *x.shape[1:]) for x in kda_inputs(seed, steps * B, T, H, HV, K, V)]
+    worst = 0.0
+    for step in range(steps):
+        q, k, v, g, beta = (x[step] for x in stream)
+        n = jnp.asarray(rng.integers(0, T + 1, size=B).astype(np.int32))
+        o = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
+        pool = kda.kda_commit(pool, slots, k, v, g, beta, n, **run)
+        o_ref, dense = _window_ref(dense, q, k, v, g, beta, n)
+        assert_close(o, o_ref, "f32_out")
+        worst = max(worst, float(jnp.linalg.norm(pool[slots] - dense) / jnp.linalg.norm(dense)))
+    assert worst <= 2e-3, worst
+
+
+def test_chained_steps_with_random_accepts(run):
+    _chain(run, 256 if run["interpret"] is True else 12, seed=3)
+
+
+@pytest.mark.slow
+def test_chained_256_steps_tpu_interpret():
+    _chain(dict(backend="cpu", interpret=TPU_INTERPRET), 256, seed=4)
+
+
+def test_bad_slot_ids_and_shapes_are_rejected():
+    B, H, HV, K, V = 2, 1, 2, 16, 16
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(0, B, 1, H, HV, K, V))
+    pool = _pool(0, 3, HV, K, V)
+    for bad in ([0, 3], [-2, 0], [1, 1]):
+        with pytest.raises(ValueError, match="slot ids"):
+            kda.kda_decode(pool, np.array(bad, np.int32), q, k, v, g, beta)
+    with pytest.raises(ValueError, match="v must have shape"):
+        kda.kda_decode(pool, np.array([0, 1], np.int32), q, k, v[:, :1], g, beta)
+    with pytest.raises(ValueError, match="state_pool"):
+        kda.kda_decode(pool.astype(jnp.bfloat16), np.array([0, 1], np.int32), q, k, v, g, beta)
+
+
+def test_race_detector_flags_a_shared_slot():
+    """Negative control: two live rows on one slot (bypassing the host check) is a detected race."""
+    B, H, HV, K, V = 2, 1, 1, 16, 16
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(1, B, 1, H, HV, K, V))
+    pool = _pool(1, 2, HV, K, V)
+    decode = jax.jit(lambda p, s: kda.kda_decode(p, s, q, k, v, g, beta, interpret=TPU_INTERPRET, backend="cpu"))
+    decode(pool, jnp.array([1, 1], jnp.int32))[1].block_until_ready()
+    assert tpu_interpreter.races is not None and tpu_interpreter.races.races_found
+    pltpu.reset_tpu_interpret_mode_state()

@@ -15,18 +15,20 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class RequestClass:
     """Requests with ``prompt tokens <= max_tokens`` (the smallest class that fits) share
-    ``budget_tokens`` of in-flight tokens; up to ``max_queue`` wait ``queue_timeout_s``."""
+    ``budget_tokens`` of in-flight tokens; up to ``max_queue`` wait ``queue_timeout_s``.
+    ``share`` is the class's relative weight for prefill compute when classes contend."""
 
     name: str
     max_tokens: int
     budget_tokens: int
     max_queue: int = 64
     queue_timeout_s: float = 30.0
+    share: float = 1.0
 
 
 DEFAULT_CLASSES = (
-    RequestClass("short", 2048, 256 * 1024),
-    RequestClass("medium", 65536, 1024 * 1024),
+    RequestClass("short", 2048, 256 * 1024, share=2.0),
+    RequestClass("medium", 65536, 1024 * 1024, share=2.0),
     RequestClass("long", 1 << 20, 2 << 20, max_queue=16, queue_timeout_s=600.0),
 )
 

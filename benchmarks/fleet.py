@@ -48,11 +48,15 @@ def main(argv=None):
     ap.add_argument("--prefill-tok-s", type=float, default=CostModel.prefill_tok_s)
     ap.add_argument("--decode-step-s", type=float, default=CostModel.decode_step_s)
     ap.add_argument("--cache-blocks", type=int, default=CostModel.cache_blocks)
+    ap.add_argument("--fit", default=None, help="model.json from benchmarks/model.py: take the prefill and decode rates from it")
     ap.add_argument("--limit", type=int, default=None, help="only the first N trace requests")
     ap.add_argument("--plots", default=None, help="directory for PNG plots")
     a = ap.parse_args(argv)
 
-    cost = CostModel(prefill_tok_s=a.prefill_tok_s, decode_step_s=a.decode_step_s, cache_blocks=a.cache_blocks)
+    if a.fit:
+        cost = CostModel.fitted(a.fit, cache_blocks=a.cache_blocks)
+    else:
+        cost = CostModel(prefill_tok_s=a.prefill_tok_s, decode_step_s=a.decode_step_s, cache_blocks=a.cache_blocks)
     base = load_trace(a.trace, time_scale=a.time_scale, limit=a.limit)
     span = base[-1].t
     burst_at = [span * (i + 1) / (a.bursts + 1) for i in range(a.bursts)]

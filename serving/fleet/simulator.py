@@ -44,6 +44,14 @@ class CostModel:
     prefill_overhead_s: float = 0.005
     cache_blocks: int = 16_384
 
+    @classmethod
+    def fitted(cls, model_json: str, **overrides) -> CostModel:
+        """Rates measured by ``benchmarks/model.py`` (its ``model.json``) on the engine's device."""
+        with open(model_json) as f:
+            m = json.load(f)
+        fit = {"prefill_tok_s": float(m["prefill_tok_s"]), "decode_step_s": float(m["decode_step_ms_median"]) / 1e3}
+        return cls(**{**fit, **overrides})
+
 
 @dataclasses.dataclass
 class TraceRequest:

@@ -90,3 +90,13 @@ def test_failover_reroutes_everything_and_loses_nothing():
     assert all(t < 30.0 for t, _, _ in sim.clusters[victim].prefilled)
     loads = [sim.router.load[c] for c in sim.clusters if c != victim]
     assert max(loads) <= 1.25 * sum(loads) / len(loads) + 1
+
+
+def test_cost_model_fits_the_model_benchmark_output(tmp_path):
+    path = tmp_path / "model.json"
+    path.write_text('{"prefill_tok_s": 20000.0, "decode_step_ms_median": 4.0, "T": 8192}')
+    cost = CostModel.fitted(str(path), cache_blocks=7)
+    assert (cost.prefill_tok_s, cost.decode_step_s, cost.cache_blocks) == (20000.0, 0.004, 7)
+    recs = FleetSim(1, cost=cost).run([req(0, 0.0, [1, 2], out=10)])
+    assert recs[0]["ttft"] == pytest.approx(1024 / 20000 + cost.prefill_overhead_s)
+    assert recs[0]["end"] - recs[0]["ttft"] == pytest.approx(10 * 0.004)

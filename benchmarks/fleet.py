@@ -9,6 +9,7 @@ writes TTFT and hit-rate figures (matplotlib).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -61,7 +62,6 @@ def main(argv=None):
     span = base[-1].t
     burst_at = [span * (i + 1) / (a.bursts + 1) for i in range(a.bursts)]
     reqs = inject_bursts(base, at=burst_at, count=a.burst_size)
-    fresh = lambda: [dataclass_copy(r) for r in reqs]
 
     runs = {}
     for name, kw in {
@@ -70,7 +70,7 @@ def main(argv=None):
         "random_budgets": dict(routing="random", budgets=True),
         "least_loaded_budgets": dict(routing="least_loaded", budgets=True),
     }.items():
-        runs[name] = FleetSim(a.clusters, cost=cost, **kw).run(fresh())
+        runs[name] = FleetSim(a.clusters, cost=cost, **kw).run(reqs)
 
     # Failover: kill the cluster holding the most sessions halfway through (affinity + budgets).
     probe = FleetSim(a.clusters, cost=cost, routing="affinity")
@@ -79,7 +79,7 @@ def main(argv=None):
     victim = max(probe.router.load, key=probe.router.load.get)
     t_kill = span / 2
     sim = FleetSim(a.clusters, cost=cost, routing="affinity", kill=(t_kill, victim))
-    runs["affinity_budgets_failover"] = sim.run(fresh())
+    runs["affinity_budgets_failover"] = sim.run(reqs)
     # Work = uncached prefill tokens of the trace's requests (the injected bursts excluded).
     work = lambda c, keep: sum(tok for t, tok, s in c.prefilled if keep(t) and not s.startswith("burst"))
     after = {n: work(c, lambda t: t >= t_kill) for n, c in sim.clusters.items() if n != victim}
@@ -118,7 +118,7 @@ def main(argv=None):
         "kill_at_s": t_kill,
         "requests": len(reqs),
         "bursts": {"times_s": burst_at, "count": a.burst_size, "tokens": 1_000_000},
-        "cost_model": vars(cost) if hasattr(cost, "__dict__") else str(cost),
+        "cost_model": dataclasses.asdict(cost),
         "time_scale": a.time_scale,
         "runs": summary,
     }
@@ -126,12 +126,6 @@ def main(argv=None):
         plot(runs, summary, a.plots)
     print(json.dumps(result, indent=1, default=float))
     return result
-
-
-def dataclass_copy(r):
-    import dataclasses
-
-    return dataclasses.replace(r)
 
 
 def plot(runs, summary, out_dir):

@@ -21,8 +21,7 @@ from pallas_kernels.kda._window import Mode, delta_update, readout
 _F32 = jnp.float32
 
 
-def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int):
-    del rep
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, scale: float, num_slots: int):
     it = iter(refs)
     q_ref = next(it) if mode.readout else None
     k_ref, v_ref, g_ref, beta_ref, pool_hbm = (next(it) for _ in range(5))
@@ -112,7 +111,7 @@ def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, s
         # Operand indices count the two scalar-prefetch operands first.
         aliases = {2 + len(inputs) - 1: len(out_shape) - 1}
 
-    kernel = functools.partial(_kernel, mode=mode, T=T, rep=rep, scale=scale, num_slots=num_slots)
+    kernel = functools.partial(_kernel, mode=mode, T=T, scale=scale, num_slots=num_slots)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -101,7 +101,6 @@ class _Job:
     klass: str
     cached: int = 0
     remaining: float = 0.0  # seconds of full-rate prefill work left
-    started: bool = False
 
 
 class _Cluster:
@@ -179,7 +178,6 @@ class FleetSim:
         self.kill = kill
         self.events: list = []
         self.seq = 0
-        self.jobs: dict[int, _Job] = {}
         self.records: dict[int, dict] = {}
         self.reqs: dict[int, TraceRequest] = {}
 
@@ -211,7 +209,6 @@ class FleetSim:
         job = _Job(req, self._klass(cl, req))
         job.cached = cl.lookup(req.hash_ids, req.input_len)
         job.remaining = (req.input_len - job.cached) / self.cost.prefill_tok_s + self.cost.prefill_overhead_s
-        self.jobs[req.rid] = job
         rec = self.records[req.rid]
         rec.update(cluster=cl.name, cached=job.cached)
         cl.advance(now)
@@ -255,7 +252,6 @@ class FleetSim:
 
     def _finish(self, cl: _Cluster, rid, now):
         self.records[rid]["end"] = now
-        self.jobs.pop(rid, None)
         if cl.admission is not None and cl.alive:
             self._admit_decisions(cl, cl.admission.finish(rid, now), now)
 

@@ -190,3 +190,21 @@ def test_race_detector_flags_a_shared_slot():
     decode(pool, jnp.array([1, 1], jnp.int32))[1].block_until_ready()
     assert tpu_interpreter.races is not None and tpu_interpreter.races.races_found
     pltpu.reset_tpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("mode", ["DECODE", "VERIFY", "COMMIT", "VERIFY_SNAPSHOT"])
+def test_tpu_kernels_lower_for_tpu(mode):
+    """The Mosaic lowering accepts every mode at serving shapes (bf16 inputs, K = V = 128, GVA)."""
+    import functools
+
+    from pallas_kernels.kda import _window, decode_tpu
+
+    m = getattr(_window, mode)
+    B, T, H, HV, K, V = 4, 1 if m is _window.DECODE else 4, 2, 4, 128, 128
+    spec = jax.ShapeDtypeStruct
+    f = functools.partial(decode_tpu.window_call, mode=m, scale=K**-0.5)
+    args = (spec((8, HV, K, V), jnp.float32), spec((B,), jnp.int32), spec((B,), jnp.int32),
+            spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, K), jnp.bfloat16), spec((B, T, HV, V), jnp.bfloat16),
+            spec((B, T, HV, K), jnp.float32), spec((B, T, HV), jnp.bfloat16))
+    exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()

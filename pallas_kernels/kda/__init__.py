@@ -3,9 +3,10 @@
 from pallas_kernels.kda.decode import (
     kda_commit,
     kda_commit_snapshot,
+    kda_commit_verify,
     kda_decode,
     kda_verify,
     kda_verify_snapshot,
 )
 
-__all__ = ["kda_commit", "kda_commit_snapshot", "kda_decode", "kda_verify", "kda_verify_snapshot"]
+__all__ = ["kda_commit", "kda_commit_snapshot", "kda_commit_verify", "kda_decode", "kda_verify", "kda_verify_snapshot"]

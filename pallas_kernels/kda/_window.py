@@ -18,19 +18,23 @@ class Mode:
     readout: emit ``o`` at every position; write_state: write the state after ``n`` positions
     back to the slot (``n`` = the whole window unless ``per_row_n``); snapshot: write the state
     after every position to a scratch output (the baseline); per_row_n: replay only the row's
-    first ``num_accepted[b]`` positions.
+    first ``num_accepted[b]`` positions; replay_first: first replay the accepted prefix of the
+    *previous* window (written back as the committed state), then verify the current window
+    from it without writing (commit fused into the next verify).
     """
 
     readout: bool
     write_state: bool
     snapshot: bool = False
     per_row_n: bool = False
+    replay_first: bool = False
 
 
 DECODE = Mode(readout=True, write_state=True)
 VERIFY = Mode(readout=True, write_state=False)
 COMMIT = Mode(readout=False, write_state=True, per_row_n=True)
 VERIFY_SNAPSHOT = Mode(readout=True, write_state=False, snapshot=True)
+COMMIT_VERIFY = Mode(readout=True, write_state=True, per_row_n=True, replay_first=True)
 
 
 def delta_update(S, k_col, v_row, g_col, b):

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import decode_gpu, decode_tpu
-from pallas_kernels.kda._window import COMMIT, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode
+from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode
 
 
 def default_interpret(interpret):
@@ -65,11 +65,11 @@ def _check(pool, slot_ids, q, k, v, g, beta, window: bool):
             raise ValueError(f"slot ids of live rows must be distinct, got {ids.tolist()}")
 
 
-def _impl(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret, backend):
+def _impl(pool, slot_ids, num_accepted, q, k, v, g, beta, prev, *, mode: Mode, scale, interpret, backend):
     impl = _backend_module(backend)
     return impl.window_call(
         pool, slot_ids.astype(jnp.int32), num_accepted.astype(jnp.int32), q, k, v, g, beta,
-        mode=mode, scale=scale, interpret=interpret,
+        mode=mode, scale=scale, interpret=interpret, prev=prev,
     )
 
 
@@ -78,11 +78,11 @@ _run_in_place = jax.jit(_impl, static_argnames=_STATIC, donate_argnums=(0,))
 _run_read_only = jax.jit(_impl, static_argnames=_STATIC)
 
 
-def _call(mode, pool, slot_ids, num_accepted, q, k, v, g, beta, scale, interpret, backend):
+def _call(mode, pool, slot_ids, num_accepted, q, k, v, g, beta, scale, interpret, backend, prev=None):
     scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
     run = _run_in_place if mode.write_state else _run_read_only
     return run(
-        pool, jnp.asarray(slot_ids), jnp.asarray(num_accepted), q, k, v, g, beta,
+        pool, jnp.asarray(slot_ids), jnp.asarray(num_accepted), q, k, v, g, beta, prev,
         mode=mode, scale=scale, interpret=default_interpret(interpret), backend=backend,
     )
 
@@ -132,6 +132,28 @@ def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, interpret=N
     _check(state_pool, slot_ids, None, k, v, g, beta, window=True)
     n = jnp.clip(jnp.asarray(num_accepted), 0, k.shape[1])
     return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[2]
+
+
+def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta, *, scale=None, interpret=None,
+                      backend=None):
+    """Commit fused into the next verify: per row, replay the previous window's first
+    ``num_accepted[b]`` positions into the slot, then verify the new window from that state.
+
+    One state read and one write per step instead of :func:`kda_verify` + :func:`kda_commit`'s
+    two reads and one write.
+
+    Args:
+      prev: the previous window's ``(k, v, g, beta)`` (``[B, T', ...]``, as for :func:`kda_commit`);
+      num_accepted: ``int[B]`` clipped to ``[0, T']``; q, k, v, g, beta: the new window.
+    Returns:
+      ``(o [B, T, HV, V], state_pool)``; ``state_pool`` holds the committed states.
+    """
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
+    _check(state_pool, slot_ids, None, *prev, window=True)
+    n = jnp.clip(jnp.asarray(num_accepted), 0, prev[0].shape[1])
+    o, _, pool = _call(COMMIT_VERIFY, state_pool, slot_ids, n, q, k, v, g, beta, scale, interpret, backend,
+                       prev=tuple(prev))
+    return o, pool
 
 
 def kda_verify_snapshot(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):

@@ -21,8 +21,9 @@ from pallas_kernels.kda._window import Mode, delta_update, readout
 _F32 = jnp.float32
 
 
-def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int):
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, scale: float, num_slots: int, BV: int):
     it = iter(refs)
+    prev_refs = [next(it) for _ in range(4)] if mode.replay_first else None
     q_ref = next(it) if mode.readout else None
     k_ref, v_ref, g_ref, beta_ref, pool_ref = (next(it) for _ in range(5))
     o_ref = next(it) if mode.readout else None
@@ -34,25 +35,33 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
     hq = h // rep
     slot = slots_ref[b]
     valid = (slot >= 0) & (slot < num_slots)
-    n = n_ref[b] if mode.per_row_n else T
+    n = n_ref[b]
+
+    def step(S, refs, t):
+        k_ref, v_ref, g_ref, beta_ref = refs
+        return delta_update(
+            S,
+            k_ref[b, t, hq].astype(_F32),
+            v_ref[b, t, h, :, cols].astype(_F32),
+            g_ref[b, t, h].astype(_F32),
+            beta_ref[b, t, h].astype(_F32),
+        )
 
     @pl.when(valid)
     def _():
         S = pool_ref[slot, h, :, cols]
+        if mode.replay_first:
+            for t in range(T_prev):
+                S = jnp.where(t < n, step(S, prev_refs, t), S)
+            pool_out_ref[slot, h, :, cols] = S
         for t in range(T):
-            S_next = delta_update(
-                S,
-                k_ref[b, t, hq].astype(_F32),
-                v_ref[b, t, h, :, cols].astype(_F32),
-                g_ref[b, t, h].astype(_F32),
-                beta_ref[b, t, h].astype(_F32),
-            )
-            S = jnp.where(t < n, S_next, S) if mode.per_row_n else S_next
+            S_next = step(S, (k_ref, v_ref, g_ref, beta_ref), t)
+            S = jnp.where(t < n, S_next, S) if mode.per_row_n and not mode.replay_first else S_next
             if mode.readout:
                 o_ref[b, t, h, :, cols] = readout(S, q_ref[b, t, hq].astype(_F32), scale).astype(o_ref.dtype)
             if mode.snapshot:
                 snap_ref[b, t, h, :, cols] = S
-        if mode.write_state:
+        if mode.write_state and not mode.replay_first:
             pool_out_ref[slot, h, :, cols] = S
 
     @pl.when(jnp.logical_not(valid))
@@ -65,7 +74,8 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
 
 
 def window_call(
-    pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, block_v=64, num_warps=8
+    pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, prev=None, block_v=64,
+    num_warps=8,
 ):
     """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per program."""
     num_slots, HV, K, V = pool.shape
@@ -75,7 +85,8 @@ def window_call(
     B, T, H, _ = k.shape
     col = lambda x: x[..., None]  # [B, T, heads, K, 1]
     row = lambda x: x[..., None, :]  # [B, T, HV, 1, V]
-    inputs = ([col(q)] if mode.readout else []) + [col(k), row(v), col(g), beta[..., None, None], pool]
+    window = lambda k, v, g, beta: [col(k), row(v), col(g), beta[..., None, None]]
+    inputs = (window(*prev) if mode.replay_first else []) + ([col(q)] if mode.readout else []) + window(k, v, g, beta) + [pool]
     out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
     out_shape = []
     if mode.readout:
@@ -91,7 +102,8 @@ def window_call(
         from jax.experimental.pallas import triton as pltriton
 
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
-    kernel = functools.partial(_kernel, mode=mode, T=T, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV)
+    T_prev = prev[0].shape[1] if mode.replay_first else 0
+    kernel = functools.partial(_kernel, mode=mode, T=T, T_prev=T_prev, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV)
     outs = pl.pallas_call(
         kernel,
         grid=(B, HV, V // BV),

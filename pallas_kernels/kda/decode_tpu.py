@@ -21,8 +21,20 @@ from pallas_kernels.kda._window import Mode, delta_update, readout
 _F32 = jnp.float32
 
 
-def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, scale: float, num_slots: int):
+def _load_window(k_ref, v_ref, g_ref, beta_ref):
+    """A window's inputs in VMEM: K-indexed ones transposed to columns ``[K, Tp]``."""
+    return (k_ref[0, 0].astype(_F32).T, v_ref[0, 0].astype(_F32), g_ref[0, 0].astype(_F32).T,
+            beta_ref[0, 0].astype(_F32))
+
+
+def _step(S, w, t):
+    kT, v, gT, beta = w
+    return delta_update(S, kT[:, t : t + 1], v[t : t + 1, :], gT[:, t : t + 1], beta[:, t : t + 1])
+
+
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: float, num_slots: int):
     it = iter(refs)
+    prev_refs = [next(it) for _ in range(4)] if mode.replay_first else None
     q_ref = next(it) if mode.readout else None
     k_ref, v_ref, g_ref, beta_ref, pool_hbm = (next(it) for _ in range(5))
     o_ref = next(it) if mode.readout else None
@@ -33,30 +45,34 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, scale: float, num_slots
     b, h = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[b]
     valid = (slot >= 0) & (slot < num_slots)
-    n = n_ref[b] if mode.per_row_n else T
+    n = n_ref[b]
+    copy_out = pltpu.make_async_copy(s_vmem, pool_out_hbm.at[slot, h], sem.at[1]) if mode.write_state else None
 
     @pl.when(valid)
     def _():
         copy_in = pltpu.make_async_copy(pool_hbm.at[slot, h], s_vmem, sem.at[0])
         copy_in.start()
-        kT = k_ref[0, 0].astype(_F32).T  # [K, Tp]
-        gT = g_ref[0, 0].astype(_F32).T
+        w = _load_window(k_ref, v_ref, g_ref, beta_ref)
         qT = q_ref[0, 0].astype(_F32).T if mode.readout else None
-        v = v_ref[0, 0].astype(_F32)  # [Tp, V]
-        beta = beta_ref[0, 0].astype(_F32)  # [1, Tp]
+        prev = _load_window(*prev_refs) if mode.replay_first else None
         copy_in.wait()
         S = s_vmem[...]
+        if mode.replay_first:
+            for t in range(T_prev):
+                S = jnp.where(t < n, _step(S, prev, t), S)
+            s_vmem[...] = S
+            copy_out.start()  # overlaps the verify loop below
         for t in range(T):
-            S_next = delta_update(S, kT[:, t : t + 1], v[t : t + 1, :], gT[:, t : t + 1], beta[:, t : t + 1])
-            S = jnp.where(t < n, S_next, S) if mode.per_row_n else S_next
+            S_next = _step(S, w, t)
+            S = jnp.where(t < n, S_next, S) if mode.per_row_n and not mode.replay_first else S_next
             if mode.readout:
                 o_ref[0, 0, t : t + 1, :] = readout(S, qT[:, t : t + 1], scale).astype(o_ref.dtype)
             if mode.snapshot:
                 snap_ref[0, t, 0] = S
-        if mode.write_state:
+        if mode.write_state and not mode.replay_first:
             s_vmem[...] = S
-            copy_out = pltpu.make_async_copy(s_vmem, pool_out_hbm.at[slot, h], sem.at[1])
             copy_out.start()
+        if mode.write_state:
             copy_out.wait()
 
     @pl.when(jnp.logical_not(valid))
@@ -67,35 +83,43 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, scale: float, num_slots
             snap_ref[...] = jnp.zeros(snap_ref.shape, snap_ref.dtype)
 
 
-def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False):
+def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, prev=None):
     """Run one window kernel; inputs in the public layouts (``q, k [B, T, H, K]`` ...).
 
+    ``prev``: the previous window's ``(k, v, g, beta)`` for ``mode.replay_first``.
     Returns ``(o [B, T, HV, V] or None, snapshots f32[B, T, HV, K, V] or None, pool)``.
     """
     num_slots, HV, K, V = pool.shape
     B, T, H, _ = k.shape
     rep = HV // H
     Tp = -(-T // 8) * 8
-    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-    heads_first = lambda x: jnp.swapaxes(pad_t(x), 1, 2)  # [B, heads, Tp, *]
-    beta_t = jnp.swapaxes(pad_t(beta), 1, 2)[:, :, None, :]  # [B, HV, 1, Tp]
 
-    qk_spec = pl.BlockSpec((1, 1, Tp, K), lambda b, h, *_: (b, jax.lax.div(h, rep), 0, 0))
+    def window(k, v, g, beta):
+        """Specs and operands of one window: heads first, T padded to a multiple of 8."""
+        T = k.shape[1]
+        Tp = -(-T // 8) * 8
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+        heads_first = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, Tp, *]
+        hv_spec = lambda D: pl.BlockSpec((1, 1, Tp, D), lambda b, h, *_: (b, h, 0, 0))
+        specs = [qk_spec(Tp), hv_spec(V), hv_spec(K), pl.BlockSpec((1, 1, 1, Tp), lambda b, h, *_: (b, h, 0, 0))]
+        operands = [heads_first(k), heads_first(v), heads_first(g), jnp.swapaxes(pad(beta), 1, 2)[:, :, None, :]]
+        return specs, operands
+
+    qk_spec = lambda Tp: pl.BlockSpec((1, 1, Tp, K), lambda b, h, *_: (b, jax.lax.div(h, rep), 0, 0))
     hv_spec = lambda D: pl.BlockSpec((1, 1, Tp, D), lambda b, h, *_: (b, h, 0, 0))
-    in_specs = ([qk_spec] if mode.readout else []) + [
-        qk_spec,
-        hv_spec(V),
-        hv_spec(K),
-        pl.BlockSpec((1, 1, 1, Tp), lambda b, h, *_: (b, h, 0, 0)),
-        pl.BlockSpec(memory_space=pl.ANY),
-    ]
-    inputs = ([heads_first(q)] if mode.readout else []) + [
-        heads_first(k),
-        heads_first(v),
-        heads_first(g),
-        beta_t,
-        pool,
-    ]
+    in_specs, inputs = [], []
+    T_prev = 0
+    if mode.replay_first:
+        T_prev = prev[0].shape[1]
+        specs, operands = window(*prev)
+        in_specs += specs
+        inputs += operands
+    if mode.readout:
+        in_specs.append(qk_spec(Tp))
+        inputs.append(jnp.swapaxes(jnp.pad(q, [(0, 0), (0, Tp - T), (0, 0), (0, 0)]), 1, 2))
+    specs, operands = window(k, v, g, beta)
+    in_specs += specs + [pl.BlockSpec(memory_space=pl.ANY)]
+    inputs += operands + [pool]
     out_specs, out_shape = [], []
     out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
     if mode.readout:
@@ -111,7 +135,7 @@ def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, s
         # Operand indices count the two scalar-prefetch operands first.
         aliases = {2 + len(inputs) - 1: len(out_shape) - 1}
 
-    kernel = functools.partial(_kernel, mode=mode, T=T, scale=scale, num_slots=num_slots)
+    kernel = functools.partial(_kernel, mode=mode, T=T, T_prev=T_prev, scale=scale, num_slots=num_slots)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -192,19 +192,41 @@ def test_race_detector_flags_a_shared_slot():
     pltpu.reset_tpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("mode", ["DECODE", "VERIFY", "COMMIT", "VERIFY_SNAPSHOT"])
+@pytest.mark.parametrize("mode", ["DECODE", "VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY"])
 def test_tpu_kernels_lower_for_tpu(mode):
     """The Mosaic lowering accepts every mode at serving shapes (bf16 inputs, K = V = 128, GVA)."""
-    import functools
-
     from pallas_kernels.kda import _window, decode_tpu
 
     m = getattr(_window, mode)
     B, T, H, HV, K, V = 4, 1 if m is _window.DECODE else 4, 2, 4, 128, 128
     spec = jax.ShapeDtypeStruct
-    f = functools.partial(decode_tpu.window_call, mode=m, scale=K**-0.5)
+    window = (spec((B, T, H, K), jnp.bfloat16), spec((B, T, HV, V), jnp.bfloat16),
+              spec((B, T, HV, K), jnp.float32), spec((B, T, HV), jnp.bfloat16))
+
+    def f(*args):
+        prev = args[-4:] if m.replay_first else None
+        return decode_tpu.window_call(*args[:8], mode=m, scale=K**-0.5, prev=prev)
+
     args = (spec((8, HV, K, V), jnp.float32), spec((B,), jnp.int32), spec((B,), jnp.int32),
             spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, K), jnp.bfloat16), spec((B, T, HV, V), jnp.bfloat16),
-            spec((B, T, HV, K), jnp.float32), spec((B, T, HV), jnp.bfloat16))
+            spec((B, T, HV, K), jnp.float32), spec((B, T, HV), jnp.bfloat16)) + (window if m.replay_first else ())
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
     assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_commit_fused_into_next_verify(run):
+    """kda_commit_verify == kda_commit then kda_verify, with a different window length per step."""
+    B, H, HV, K, V = 3, 1, 2, 16, 64
+    prev = kda_inputs(21, B, 3, H, HV, K, V)[1:]
+    q, k, v, g, beta = kda_inputs(22, B, 2, H, HV, K, V)
+    pool = _pool(21, 5, HV, K, V)
+    slots = np.array([4, -1, 0], np.int32)
+    n = np.array([2, 3, 0], np.int32)
+    before = np.asarray(pool)
+    committed = kda.kda_commit(jnp.array(before), slots, *prev, n, **run)
+    o_want = kda.kda_verify(committed, slots, q, k, v, g, beta, **run)
+    o, fused = kda.kda_commit_verify(jnp.array(before), slots, prev, n, q, k, v, g, beta, **run)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(committed), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_want), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(o[1]) == 0)
+    np.testing.assert_array_equal(np.asarray(fused)[[1, 2, 3]], before[[1, 2, 3]])

@@ -105,14 +105,14 @@ def main(argv=None):
         "hit_rate_affinity": summary["affinity_budgets"]["hit_rate"],
         "hit_rate_random": summary["random_budgets"]["hit_rate"],
         "hit_rate_least_loaded": summary["least_loaded_budgets"]["hit_rate"],
-        # Sessions per survivor after the kill (what bounded loads control), max over mean.
-        "failover_max_over_mean": max(sessions.values()) / np.mean(list(sessions.values())),
-        "failover_moved_sessions_max_over_mean": max(moved_sessions.values()) / np.mean(list(moved_sessions.values())),
+        # The extra load: the victim's sessions each survivor took over, max over mean.
+        "failover_max_over_mean": max(moved_sessions.values()) / np.mean(list(moved_sessions.values())),
+        "failover_sessions_after_kill_max_over_mean": max(sessions.values()) / np.mean(list(sessions.values())),
         "failover_moved_work_max_over_mean": max(extra.values()) / np.mean(list(extra.values())),
         "failover_work_after_kill_max_over_mean": max(after.values()) / np.mean(list(after.values())),
         "failover_work_before_kill_max_over_mean": max(before.values()) / np.mean(list(before.values())),
         "failover_moved_sessions": len(moved),
-        "failover_moved_sessions_active_after_kill": sum(moved_sessions.values()),
+        "failover_moved_sessions_active_after_kill": len({r["session"] for r in recs if r["session"] in moved and r["t"] >= t_kill}),
         "failover_lost_requests": sum("ttft" not in r and "rejected" not in r for r in runs["affinity_budgets_failover"]),
         "killed": victim,
         "kill_at_s": t_kill,

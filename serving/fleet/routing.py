@@ -2,9 +2,11 @@
 rendezvous hashing (the two highest scores), with bounded loads.
 
 - A session stays where it was first placed while that cluster is healthy (its prefix cache is
-  there); a cluster that fails sends each of its sessions to the next-ranked healthy cluster
-  under the load bound, which spreads the re-prefill work over the fleet; when the cluster
-  returns, moved sessions stay where they are (no flapping).
+  there); a cluster that fails sends each of its sessions to its next-ranked healthy cluster
+  (its secondary, unless that one already took its cap of the failed cluster's sessions,
+  ``max(ceil(avg), floor(c x avg))`` with ``avg = moved / survivors``: then the next in its
+  ranking), so the extra load on a survivor is at most ``c`` times the average whenever that is
+  feasible; when the cluster returns, moved sessions stay where they are (no flapping).
 - Bounded loads: no cluster takes a new session above ``ceil(c x average)`` sessions; a displaced
   session goes to the next cluster in its ranking (its secondary first).
 - Adding or removing one of N clusters changes the ranking's top choice for about 1/N of the
@@ -77,8 +79,21 @@ class Router:
             self._unassign(session)
 
     def fail(self, cluster: str):
-        """Mark a cluster down: its sessions move on their next request."""
+        """Mark a cluster down and move its sessions now, with bounded extra load per survivor."""
         self.healthy.discard(cluster)
+        moved = sorted(s for s, cl in self.assignment.items() if cl == cluster)
+        if not moved or not self.healthy:
+            return
+        avg = len(moved) / len(self.healthy)
+        cap = max(math.ceil(avg), math.floor(self.c * avg))
+        extra = dict.fromkeys(self.healthy, 0)
+        for s in moved:
+            self._unassign(s)
+            ranked = [cl for cl in self.ranking(s) if cl in self.healthy]
+            target = next((cl for cl in ranked if extra[cl] < cap), ranked[0])
+            extra[target] += 1
+            self.assignment[s] = target
+            self.load[target] += 1
 
     def recover(self, cluster: str):
         """Mark a cluster up again; sessions that moved away stay where they are."""

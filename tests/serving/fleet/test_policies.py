@@ -64,6 +64,29 @@ def test_failover_spreads_evenly():
     assert max(loads) / (sum(loads) / len(loads)) <= 1.3
 
 
+@given(n=st.integers(10, 300), c=st.sampled_from([1.1, 1.25, 1.5]))
+def test_failover_bounds_the_extra_load_and_prefers_the_secondary(n, c):
+    r = Router(CLUSTERS, c=c)
+    sessions = [f"u{i}" for i in range(n)]
+    for s in sessions:
+        r.route(s)
+    victim = max(CLUSTERS, key=lambda cl: r.load[cl])
+    moved = [s for s in sessions if r.assignment[s] == victim]
+    before = dict(r.assignment)
+    r.fail(victim)
+    survivors = [cl for cl in CLUSTERS if cl != victim]
+    extra = {cl: sum(r.assignment[s] == cl for s in moved) for cl in survivors}
+    avg = len(moved) / len(survivors)
+    cap = max(-(-len(moved) // len(survivors)), int(c * avg))
+    assert max(extra.values()) <= cap
+    assert all(r.assignment[s] == before[s] for s in sessions if s not in moved), "others stay put"
+    for s in moved:  # the secondary, unless it is full; then the next-ranked one with room
+        ranked = [cl for cl in r.ranking(s) if cl != victim]
+        i = ranked.index(r.assignment[s])
+        assert all(extra[cl] == cap for cl in ranked[:i])
+    assert all(r.route(s) == r.assignment[s] for s in moved)  # sticky afterwards
+
+
 CLASSES = (RequestClass("short", 2000, 10_000, max_queue=4, queue_timeout_s=5),
            RequestClass("long", 1_000_000, 2_000_000, max_queue=2, queue_timeout_s=50))
 

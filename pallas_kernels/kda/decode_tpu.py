@@ -100,13 +100,12 @@ def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, s
         Tp = -(-T // 8) * 8
         pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
         heads_first = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, Tp, *]
-        hv_spec = lambda D: pl.BlockSpec((1, 1, Tp, D), lambda b, h, *_: (b, h, 0, 0))
-        specs = [qk_spec(Tp), hv_spec(V), hv_spec(K), pl.BlockSpec((1, 1, 1, Tp), lambda b, h, *_: (b, h, 0, 0))]
-        operands = [heads_first(k), heads_first(v), heads_first(g), jnp.swapaxes(pad(beta), 1, 2)[:, :, None, :]]
+        specs = [qk_spec(Tp), hv_spec(Tp, V), hv_spec(Tp, K), hv_spec(1, Tp)]
+        operands = [heads_first(k), heads_first(v), heads_first(g), jnp.swapaxes(pad(beta), 1, 2)[:, :, None, :]]  # beta [B, HV, 1, Tp]
         return specs, operands
 
     qk_spec = lambda Tp: pl.BlockSpec((1, 1, Tp, K), lambda b, h, *_: (b, jax.lax.div(h, rep), 0, 0))
-    hv_spec = lambda D: pl.BlockSpec((1, 1, Tp, D), lambda b, h, *_: (b, h, 0, 0))
+    hv_spec = lambda rows, D: pl.BlockSpec((1, 1, rows, D), lambda b, h, *_: (b, h, 0, 0))
     in_specs, inputs = [], []
     T_prev = 0
     if mode.replay_first:
@@ -123,7 +122,7 @@ def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, s
     out_specs, out_shape = [], []
     out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
     if mode.readout:
-        out_specs.append(hv_spec(V))
+        out_specs.append(hv_spec(Tp, V))
         out_shape.append(jax.ShapeDtypeStruct((B, HV, Tp, V), out_dtype))
     if mode.snapshot:
         out_specs.append(pl.BlockSpec((1, T, 1, K, V), lambda b, h, *_: (b, 0, h, 0, 0)))

@@ -7,6 +7,8 @@ interpreter; ``-m gpu`` on a GPU runs the compiled GPU kernel.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,12 +56,20 @@ SHAPES = [  # B, T, H, HV, K, V, dtype
 ]
 
 
+def _skip_slow_interpreter(run, T):
+    """The TPU interpreter is slow on CPU: its T = 8 cases run only with K3JAX_ALL_INTERPRET=1 (the
+    GPU-interpret and compiled runs always cover them)."""
+    if run["interpret"] is TPU_INTERPRET and T == 8 and os.environ.get("K3JAX_ALL_INTERPRET") is None:
+        pytest.skip("long window under the TPU interpreter: set K3JAX_ALL_INTERPRET=1")
+
+
 def _tol(dtype, state=False):
     return "bf16" if dtype == jnp.bfloat16 else ("f32_state" if state else "f32_out")
 
 
 @pytest.mark.parametrize("B,T,H,HV,K,V,dtype", SHAPES)
 def test_decode_updates_only_its_slots(run, B, T, H, HV, K, V, dtype):
+    _skip_slow_interpreter(run, T)
     q, k, v, g, beta = kda_inputs(B * 10 + T, B, 1, H, HV, K, V, dtype=dtype)
     num_slots = B + 3
     pool = _pool(T, num_slots, HV, K, V)
@@ -80,6 +90,7 @@ def test_decode_updates_only_its_slots(run, B, T, H, HV, K, V, dtype):
 
 @pytest.mark.parametrize("B,T,H,HV,K,V,dtype", SHAPES)
 def test_verify_then_commit_any_accept_counts(run, B, T, H, HV, K, V, dtype):
+    _skip_slow_interpreter(run, T)
     q, k, v, g, beta = kda_inputs(B + 7 * T, B, T, H, HV, K, V, dtype=dtype)
     num_slots = B + 2
     pool = _pool(B, num_slots, HV, K, V)
@@ -160,7 +171,7 @@ def _chain(run, steps, seed):
 
 
 def test_chained_steps_with_random_accepts(run):
-    _chain(run, 256 if run["interpret"] is True else 12, seed=3)
+    _chain(run, 256 if run["interpret"] is True else 6, seed=3)
 
 
 @pytest.mark.slow

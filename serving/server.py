@@ -15,9 +15,10 @@ import queue
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from serving.engine import Engine, RequestError, SamplingParams
+from serving.http_base import JSONHandler
 
 log = logging.getLogger("k3jax.server")
 
@@ -103,22 +104,7 @@ def _parse(body: dict, tokenizer, engine: Engine):
 def make_handler(loop: EngineLoop, tokenizer, model_name: str):
     engine = loop.engine
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):
-            log.debug(fmt, *args)
-
-        def _json(self, code: int, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, code: int, msg: str):
-            self._json(code, {"error": {"message": msg, "type": "invalid_request_error" if code < 500 else "server_error"}})
+    class Handler(JSONHandler):
 
         def do_GET(self):
             if self.path == "/health":
@@ -132,12 +118,7 @@ def make_handler(loop: EngineLoop, tokenizer, model_name: str):
                 for k, v in sorted(m.items()):
                     name = f"k3jax_{k}" + ("_total" if not k.endswith("_s") else "")
                     lines += [f"# TYPE {name} counter", f"{name} {v}"]
-                data = ("\n".join(lines) + "\n").encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self._metrics(lines)
             else:
                 self._error(404, f"no route {self.path}")
 

@@ -37,6 +37,17 @@ VERIFY_SNAPSHOT = Mode(readout=True, write_state=False, snapshot=True)
 COMMIT_VERIFY = Mode(readout=True, write_state=True, per_row_n=True, replay_first=True)
 
 
+def split_refs(refs, mode: Mode):
+    """A window kernel's refs by role, in operand order: ``(prev, q, k, v, g, beta, pool, o, snap,
+    pool_out)`` (None where the mode has none) and an iterator over what follows (scratch)."""
+    it = iter(refs)
+    take = lambda present: next(it) if present else None
+    prev = [next(it) for _ in range(4)] if mode.replay_first else None
+    q = take(mode.readout)
+    k, v, g, beta, pool = (next(it) for _ in range(5))
+    return (prev, q, k, v, g, beta, pool, take(mode.readout), take(mode.snapshot), take(mode.write_state)), it
+
+
 def delta_update(S, k_col, v_row, g_col, b):
     """One token: decay, delta-rule correction, rank-1 write. S: f32[K, V]; b: [1, 1]."""
     S = S * jnp.exp(g_col)

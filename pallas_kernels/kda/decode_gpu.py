@@ -16,19 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._window import Mode, delta_update, readout
+from pallas_kernels.kda._window import Mode, delta_update, readout, split_refs
 
 _F32 = jnp.float32
 
 
 def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, scale: float, num_slots: int, BV: int):
-    it = iter(refs)
-    prev_refs = [next(it) for _ in range(4)] if mode.replay_first else None
-    q_ref = next(it) if mode.readout else None
-    k_ref, v_ref, g_ref, beta_ref, pool_ref = (next(it) for _ in range(5))
-    o_ref = next(it) if mode.readout else None
-    snap_ref = next(it) if mode.snapshot else None
-    pool_out_ref = next(it) if mode.write_state else None
+    (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, snap_ref, pool_out_ref), _ = split_refs(refs, mode)
 
     b, h = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.program_id(2) * BV, BV)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda._window import Mode, delta_update, readout
+from pallas_kernels.kda._window import Mode, delta_update, readout, split_refs
 
 _F32 = jnp.float32
 
@@ -33,14 +33,8 @@ def _step(S, w, t):
 
 
 def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: float, num_slots: int):
-    it = iter(refs)
-    prev_refs = [next(it) for _ in range(4)] if mode.replay_first else None
-    q_ref = next(it) if mode.readout else None
-    k_ref, v_ref, g_ref, beta_ref, pool_hbm = (next(it) for _ in range(5))
-    o_ref = next(it) if mode.readout else None
-    snap_ref = next(it) if mode.snapshot else None
-    pool_out_hbm = next(it) if mode.write_state else None
-    s_vmem, sem = next(it), next(it)
+    (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_hbm, o_ref, snap_ref, pool_out_hbm), scratch = split_refs(refs, mode)
+    s_vmem, sem = scratch
 
     b, h = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[b]

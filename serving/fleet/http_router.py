@@ -19,9 +19,10 @@ import json
 import logging
 import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from serving.fleet.routing import Router
+from serving.http_base import JSONHandler
 
 log = logging.getLogger("k3jax.router")
 _HOP_HEADERS = {"connection", "transfer-encoding", "keep-alive", "content-length"}
@@ -95,21 +96,7 @@ class FleetRouter:
 
 
 def make_handler(fleet: FleetRouter):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):
-            log.debug(fmt, *args)
-
-        def _json(self, code: int, obj, backend: str | None = None):
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if backend:
-                self.send_header("X-K3jax-Backend", backend)
-            self.end_headers()
-            self.wfile.write(data)
+    class Handler(JSONHandler):
 
         def do_GET(self):
             if self.path == "/health":
@@ -123,12 +110,7 @@ def make_handler(fleet: FleetRouter):
                     for b, st in fleet.stats.items():
                         for k, v in st.items():
                             lines.append(f'k3jax_router_{k}_total{{backend="{b}"}} {v}')
-                data = ("\n".join(lines) + "\n").encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self._metrics(lines)
             else:
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -139,16 +121,16 @@ def make_handler(fleet: FleetRouter):
                 if not isinstance(body, dict):
                     raise ValueError("the body must be a JSON object")
             except ValueError as e:
-                return self._json(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+                return self._error(400, str(e))
             session = session_of(self.headers, body)
             tried = set()
             while True:
                 try:
                     backend = fleet.route(session)
                 except RuntimeError:
-                    return self._json(503, {"error": {"message": "no healthy backend", "type": "server_error"}})
+                    return self._error(503, "no healthy backend")
                 if backend in tried:
-                    return self._json(503, {"error": {"message": "every backend failed this request", "type": "server_error"}})
+                    return self._error(503, "every backend failed this request")
                 tried.add(backend)
                 if self._forward(backend, raw):
                     return

@@ -1,6 +1,7 @@
 """Test-wide JAX and hypothesis settings (imported by pytest before any test module)."""
 
 import os
+import tempfile
 
 import jax
 from hypothesis import HealthCheck, settings
@@ -9,6 +10,13 @@ from hypothesis import HealthCheck, settings
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_enable_x64", False)
+
+# One persistent compilation cache per test run, shared by the xdist workers and by the
+# server processes the tests start (they inherit the environment): engines of the same
+# shapes in different processes compile once.
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"k3jax-jax-cache-{_run}"))
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 settings.register_profile(
     "ci",

@@ -1,0 +1,161 @@
+"""Kernel bodies of chunked KDA prefill shared by the TPU (Mosaic) and GPU (Triton) kernels.
+
+Both stages are written with operations both lowerings accept: whole-tile elementwise math,
+reductions, ``iota`` masks and float32 matmuls (TF32x3 on a GPU, HIGHEST on TPU and in the
+interpreters). Rows are addressed only through static ref slices of 16-row sub-chunks;
+values are never sliced (the Triton lowering cannot), so rows are picked with masked
+reductions and blocks are placed with 0/1 placement matmuls (exact: one non-zero per column).
+
+Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
+  G = cumsum(g), Aqk (scaled, causal), Akk (beta, strictly causal), W = T (beta k exp G),
+  U = T (beta v) with T = (I + Akk)^-1 by blocked forward substitution in float32,
+  qg = scale q exp G, kd^T = (k exp(G_C - G))^T, decay = exp(G_C) as a column.
+  Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
+  (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
+Stage 2, ``chunk_step`` (the recurrence, one chunk): with S [K, BV] float32,
+  V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+SUB = 16
+_F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+# The GPU kernels pass TF32x3 (three tensor-core passes, float32-accurate); TPU and the
+# interpreters use HIGHEST.
+GPU_PRECISION = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _dot(a, b, precision=_HI):
+    return jnp.dot(a, b, precision=precision, preferred_element_type=_F32)
+
+
+def _dot_nt(a, b, precision):
+    """``a @ b.T`` (contract the last axes)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=_F32)
+
+
+def _iota(shape, dim):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _pick_row(x, i):
+    """Row ``i`` of a ``[R, N]`` tile as ``[1, N]``."""
+    return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == i, x, 0.0), axis=0, keepdims=True)
+
+
+def _unit_lower_inverse(D):
+    """``(I + D)^-1`` for a strictly lower ``[16, 16]`` tile, column-oriented forward substitution."""
+    n = D.shape[0]
+    rows, cols = _iota((n, n), 0), _iota((n, n), 1)
+
+    def step(j, X):
+        col = jnp.sum(jnp.where(cols == j, D, 0.0), axis=1, keepdims=True)  # D[:, j]
+        return X - col * _pick_row(X, j)
+
+    return jax.lax.fori_loop(0, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(_F32))
+
+
+def prep_body(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale,
+              precision=_HI):
+    """Stage 1 on one chunk of one value head. Inputs ``[C, K]``/``[C, V]``, beta ``[C, 1]``.
+
+    Outputs: qg, W ``[C, K]``; U ``[C, V]``; Aqk ``[C, C]``; kd^T ``[K, C]``; decay ``[K, 1]``.
+    Loops are ``fori_loop``s (not unrolled) to keep the kernel small to compile. The gate
+    cumsum is always a HIGHEST-precision matmul; ``precision`` is for the other matmuls.
+    """
+    dot = partial(_dot, precision=precision)
+    C, K = k_ref.shape
+    V = v_ref.shape[1]
+    g = g_ref[...].astype(_F32)
+    k = k_ref[...].astype(_F32)
+    G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
+    GT = G.T
+    GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
+    decay_ref[...] = jnp.exp(GlastT)
+    kdT_ref[...] = k.T * jnp.exp(GlastT - GT)
+    r16 = _iota((SUB, 1), 0)
+    lane = _iota((1, C), 1)
+
+    def sub_chunk(i, X):
+        Xw, Xu = X
+        start = i * SUB
+        rows = pl.ds(pl.multiple_of(start, SUB), SUB)
+        qi = q_ref[rows, :].astype(_F32)
+        ki = k_ref[rows, :].astype(_F32)
+        bi = beta_ref[rows, :].astype(_F32)
+        Gi = _dot(jnp.where(_iota((SUB, C), 1) <= _iota((SUB, C), 0) + start, 1.0, 0.0).astype(_F32), g)
+        anchor = _pick_row(Gi, 0)
+        # Columns of earlier sub-chunks: both factors anchored at this sub-chunk's first row.
+        k_anc = k * jnp.exp(jnp.where(_iota((C, 1), 0) < start, anchor - G, -jnp.inf))
+        to_anchor = jnp.exp(Gi - anchor)
+        Akk_prev = _dot_nt(ki * to_anchor, k_anc, precision)  # [16, C], zero from column `start` on
+
+        def diagonal(c, A):  # the diagonal block, exact pairwise decay differences
+            Aqk, Akk = A
+            t = jnp.exp(jnp.where(r16 >= c, Gi - _pick_row(Gi, c), -jnp.inf)) * _pick_row(ki, c)
+            at = lane == start + c
+            Aqk = jnp.where(at, jnp.sum(qi * t, axis=1, keepdims=True), Aqk)
+            Akk = jnp.where(at & (r16 > c), jnp.sum(ki * t, axis=1, keepdims=True), Akk)
+            return Aqk, Akk
+
+        Aqk, Akk = jax.lax.fori_loop(0, SUB, diagonal, (_dot_nt(qi * to_anchor, k_anc, precision), Akk_prev))
+        aqk_ref[rows, :] = scale * Aqk
+        egi = jnp.exp(Gi)
+        qg_ref[rows, :] = scale * qi * egi
+        # Blocked forward substitution: X_i = (I + D_ii)^-1 (R_i - Akk[i, :i] X[:i]).
+        place = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
+        Linv = _unit_lower_inverse(dot(bi * Akk, place))
+        Akk_prev = bi * Akk_prev
+        Xw_i = dot(Linv, bi * ki * egi - dot(Akk_prev, Xw))
+        Xu_i = dot(Linv, bi * v_ref[rows, :].astype(_F32) - dot(Akk_prev, Xu))
+        w_ref[rows, :] = Xw_i
+        u_ref[rows, :] = Xu_i
+        return Xw + dot(place, Xw_i), Xu + dot(place, Xu_i)
+
+    jax.lax.fori_loop(0, C // SUB, sub_chunk, (jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32)))
+
+
+def chunk_step(S, qg, kdT, W, U, Aqk, decay, precision=_HI):
+    """One chunk of the recurrence on ``S f32[K, BV]``. Returns ``(o [C, BV], S')``."""
+    dot = partial(_dot, precision=precision)
+    v_new = U - dot(W, S)
+    o = dot(qg, S) + dot(Aqk, v_new)
+    return o, decay * S + dot(kdT, v_new)
+
+
+def prep_call(q, k, v, g, beta, *, C, scale, head_major, precision=_HI, compiler_params=None, interpret=False):
+    """Stage 1 over every chunk at once: grid ``(NC, HV)``, both axes parallel.
+
+    Inputs are chunk-aligned packed streams: token-major ``q, k [TT, H, K]``, ``v [TT, HV, V]``,
+    ``g [TT, HV, K]``, ``beta [TT, HV, 1]``, or head-major (``[H, TT, K]`` ...) when
+    ``head_major`` (the TPU layout: blocks are ``(C, K)`` tiles). ``TT % C == 0``.
+    Returns head-major float32 ``qg, W [HV, TT, K]``, ``U [HV, TT, V]``, ``Aqk [HV, TT, C]``,
+    ``kdT [HV, NC, K, C]``, ``decay [HV, NC, K, 1]``.
+    """
+    if head_major:
+        (H, TT, K), (HV, _, V) = k.shape, v.shape
+        spec = lambda width, qk: pl.BlockSpec((None, C, width), lambda c, h: (h // rep if qk else h, c, 0))
+    else:
+        (TT, H, K), (_, HV, V) = k.shape, v.shape
+        spec = lambda width, qk: pl.BlockSpec((C, None, width), lambda c, h: (c, h // rep if qk else h, 0))
+    rep = HV // H
+    NC = TT // C
+    rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
+    per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
+    return pl.pallas_call(
+        partial(prep_body, scale=scale, precision=precision),
+        grid=(NC, HV),
+        in_specs=[spec(K, True), spec(K, True), spec(V, False), spec(K, False), spec(1, False)],
+        out_specs=[rows(K), per_chunk(C), rows(K), rows(V), rows(C), per_chunk(1)],
+        out_shape=[f32(HV, TT, K), f32(HV, NC, K, C), f32(HV, TT, K), f32(HV, TT, V), f32(HV, TT, C), f32(HV, NC, K, 1)],
+        compiler_params=compiler_params,
+        interpret=interpret,
+    )(q, k, v, g, beta)

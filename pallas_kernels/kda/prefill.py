@@ -1,0 +1,152 @@
+"""Public chunked KDA prefill: :func:`chunk_kda`, same contract as :func:`k3jax.ops.kda.chunk_kda`.
+
+Two stages (``_chunk.py``): a token-parallel stage over every (chunk, value head) and a
+recurrent stage over (sequence, value head[, column block]). Varlen inputs are packed so every
+sequence starts on a chunk boundary (padding slots are zero tokens: the identity map).
+
+Segment-parallel prefill (GPU): when sequences x heads x column blocks cannot fill the device,
+each sequence's chunks are split into ``P`` segments; one pass computes every segment's affine
+map ``(M, E)`` from its own tokens (in parallel), an exclusive associative scan in float32
+gives each segment's true initial state, and a second pass finishes every segment from it.
+:func:`plan_segments` picks ``P``.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm
+from k3jax.ops.segments import segment_initial_states
+from pallas_kernels.kda import prefill_gpu, prefill_tpu
+from pallas_kernels.kda._chunk import GPU_PRECISION, prep_call
+
+_F32 = jnp.float32
+
+
+def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, num_cores=None, min_chunks=16):
+    """Segments per sequence for the recurrent stage.
+
+    GPU: one program per (segment, head, column block); with ``P`` segments the summary pass
+    runs ``(K + V) / V`` times as many programs as the output pass, so the two passes take about
+    ``2 / P`` of the one-pass time while ``3 P x programs`` fit ``2 x num_cores``. Segments
+    keep at least ``min_chunks`` chunks. TPU: 1 (its one or two cores are filled by heads).
+    """
+    if backend not in ("gpu", "cuda", "rocm"):
+        return 1
+    if num_cores is None:
+        num_cores = getattr(jax.devices()[0], "core_count", 132)
+    programs = num_seqs * num_heads * max(V // block_v, 1)
+    P = (2 * num_cores) // (3 * programs)
+    P = min(P, max_chunks // min_chunks)
+    return P if P >= 3 else 1
+
+
+def _backend(backend):
+    backend = backend or jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    if backend in ("tpu", "cpu"):
+        return "tpu"
+    raise ValueError(f"no KDA prefill kernel for backend {backend!r}")
+
+
+def _interpret(interpret, backend):
+    if interpret is None:
+        if jax.default_backend() != "cpu":
+            return False
+        return pltpu.InterpretParams() if backend == "tpu" else True
+    return interpret
+
+
+def chunk_kda(
+    q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
+    checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
+    backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4,
+):
+    """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
+
+    Extra keyword arguments:
+      num_segments: segments per sequence for the recurrent stage (GPU); None asks
+        :func:`plan_segments`.
+      backend: "tpu" or "gpu" kernels; None picks by the default device ("cpu" runs the TPU
+        kernels in the interpreter).
+      interpret: None: interpret on CPU (``pltpu.InterpretParams()`` for the TPU kernels),
+        compile elsewhere; or an explicit value passed to ``pallas_call``.
+      block_v, num_warps: GPU recurrent-stage tiling.
+    """
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % chunk_size):
+        raise ValueError(f"checkpoint_stride {checkpoint_stride} must be a positive multiple of chunk_size {chunk_size}")
+    B, T, H, HV, K, V, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    kind = _backend(backend)
+    interpret = _interpret(interpret, kind)
+    scale = K**-0.5 if scale is None else float(scale)
+    out_dtype = _out_dtype(v)
+    C = chunk_size
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    TT = B * T
+    flat = lambda x: x.reshape(TT, *x.shape[2:])
+    q, k, v, g, beta = flat(q), flat(k), flat(v), flat(g.astype(_F32)), flat(beta)[..., None]
+    cu = (jnp.arange(B + 1, dtype=jnp.int32) * T) if cu_seqlens is None else cu_seqlens.astype(jnp.int32)
+    lay = _chunk_layout(cu, TT, C, N, checkpoint_stride)
+    dense = cu_seqlens is None and T % C == 0
+    NC = TT // C if dense else lay.chunk_seq.shape[0]
+    if not dense:  # chunk-aligned packing; zero tokens (k = beta = g = 0) are the identity map
+        ok = lay.ok
+        q, k, v, g, beta = (jnp.where(ok.reshape(-1, 1, 1), x[lay.src], 0).astype(x.dtype) for x in (q, k, v, g, beta))
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + C - 1) // C
+    cstart = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])
+    init = jnp.zeros((N, HV, K, V), _F32) if initial_state is None else initial_state.astype(_F32)
+    n_ck = 0 if checkpoint_stride is None else T // checkpoint_stride
+    ci = lay.ckpt[:NC]
+    seq = lay.chunk_seq[:NC]
+    n_slots = N * n_ck + N  # + a spare slot per sequence for chunks that write none (TPU)
+
+    if kind == "gpu":
+        prep = prep_call(q, k, v, g, beta, C=C, scale=scale, head_major=False, interpret=interpret,
+                         precision=jax.lax.Precision.HIGHEST if interpret else GPU_PRECISION)
+        P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v)
+        p = jnp.arange(P, dtype=jnp.int32)
+        vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
+        vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
+        kw = dict(n_ck_slots=n_slots, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps, interpret=interpret)
+        ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
+        starts = init
+        if P > 1:
+            ME = prefill_gpu.scan_call(prep, None, vstart, vend, ck_slot, summary=True, **kw)
+            ME = ME.reshape(N, P, HV, K, K + V)
+            starts = segment_initial_states((ME[..., :K], ME[..., K:]), init).reshape(N * P, HV, K, V)
+        o, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, **kw)
+        final = final.reshape(N, P, HV, K, V)[:, -1]
+    else:
+        head = lambda x: jnp.moveaxis(x, 1, 0)
+        prep = prep_call(*(head(x) for x in (q, k, v, g, beta)), C=C, scale=scale, head_major=True,
+                         compiler_params=prefill_tpu.PREP_PARAMS, interpret=interpret)
+        c = jnp.arange(NC, dtype=jnp.int32)
+        slot = jnp.where(ci >= 0, seq * n_ck + ci, N * n_ck + seq)
+        # The checkpoint block of a chunk that writes none: the next one its sequence writes.
+        nxt = jax.lax.cummin(jnp.where(ci >= 0, c, NC), reverse=True)
+        nxt_c = jnp.minimum(nxt, NC - 1)
+        slot = jnp.where((ci < 0) & (nxt < NC) & (seq[nxt_c] == seq), slot[nxt_c], slot)
+        i32 = lambda x: x.astype(jnp.int32)
+        o, final, ckpts = prefill_tpu.scan_call(
+            prep, init, i32(lay.first[:NC]), i32(lay.last[:NC]), seq, i32(ci >= 0), slot,
+            n_ck_slots=n_slots, out_dtype=out_dtype, interpret=interpret,
+        )
+        o = head(o)
+    final = jnp.where((lens == 0)[:, None, None, None], init, final)
+    if dense:
+        o = o.reshape(B, T, HV, V)
+    else:
+        o = jnp.where(lay.tok_ok[:, None, None], o[lay.dst], 0).astype(out_dtype).reshape(B, T, HV, V)
+    if checkpoint_stride is None:
+        return o, final
+    ckpts = ckpts[: N * n_ck].reshape(N, n_ck, HV, K, V)
+    written = jnp.arange(n_ck)[None, :] < (lens // checkpoint_stride)[:, None]
+    return o, final, jnp.where(written[..., None, None, None], ckpts, 0.0)

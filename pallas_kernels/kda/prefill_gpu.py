@@ -1,0 +1,98 @@
+"""GPU prefill kernels (Pallas Triton lowering; README.md says why not Mosaic GPU).
+
+Stage 1 is :func:`pallas_kernels.kda._chunk.prep_call` on token-major inputs. Stage 2,
+:func:`scan_call`, has grid ``(virtual sequences, HV, column blocks)``: each program keeps
+``f32[K, BV]`` of one state in registers and loops over its virtual sequence's chunks
+(``vstart[s] <= c < vend[s]``). A virtual sequence is a whole sequence or, for
+segment-parallel prefill, one segment of it. Refs are whole arrays indexed in the kernel.
+
+``summary=True`` computes each virtual sequence's affine map ``S -> M S + E`` instead of
+outputs: the recurrence is independent across state columns, so running it on ``K + V``
+columns that start as ``[I | 0]``, with U replaced by 0 in the first K, gives ``[M | E]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda._chunk import _F32, _HI, GPU_PRECISION, chunk_step
+
+
+def _scan_kernel(vstart_ref, vend_ref, ck_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, init_ref, *outs,
+                 BV: int, summary: bool, precision):
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    K = w_ref.shape[-1]
+    C = kdT_ref.shape[-1]
+    if summary:
+        (final_ref,) = outs
+        nK = K // BV
+        is_m = j < nK
+        ucols = pl.ds(jnp.maximum(j - nK, 0) * BV, BV)
+        eye = jax.lax.broadcasted_iota(jnp.int32, (K, BV), 0) == jax.lax.broadcasted_iota(jnp.int32, (K, BV), 1) + j * BV
+        S0 = jnp.where(is_m & eye, 1.0, 0.0).astype(_F32)
+        u_scale = jnp.clip(j - nK + 1, 0, 1).astype(_F32)  # 0 for the M columns
+    else:
+        o_ref, final_ref, ckpt_ref = outs
+        ucols = pl.ds(j * BV, BV)
+        S0 = init_ref[s, h, :, ucols]
+        u_scale = 1.0
+    cols = pl.ds(j * BV, BV)
+
+    def body(c, S):
+        rows = pl.ds(c * C, C)
+        o, S = chunk_step(
+            S, qg_ref[h, rows, :], kdT_ref[h, c], w_ref[h, rows, :], u_scale * u_ref[h, rows, ucols],
+            aqk_ref[h, rows, :], decay_ref[h, c], precision,
+        )
+        if not summary:
+            o_ref[rows, h, cols] = o.astype(o_ref.dtype)
+            slot = ck_ref[c]
+
+            @pl.when(slot >= 0)
+            def _():
+                ckpt_ref[slot, h, :, cols] = S
+
+        return S
+
+    final_ref[s, h, :, cols] = jax.lax.fori_loop(vstart_ref[s], vend_ref[s], body, S0)
+
+
+def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, out_dtype, summary=False, block_v=64, num_warps=4,
+              interpret=False):
+    """Stage 2. ``prep`` is stage 1's output; ``init f32[Nv, HV, K, V]`` (ignored when ``summary``).
+
+    Returns ``(o [TT, HV, V] out_dtype, final f32[Nv, HV, K, V], ckpts f32[n_ck_slots, HV, K, V])``
+    (checkpoint slot ``ck_slot[c]`` is written after chunk ``c`` when ``>= 0``; others untouched,
+    so unwritten slots hold garbage), or ``f32[Nv, HV, K, K + V]`` (``[M | E]``) when ``summary``.
+    """
+    qg, kdT, W, U, Aqk, decay = prep
+    HV, TT, K = W.shape
+    V = U.shape[-1]
+    Nv = vstart.shape[0]
+    BV = min(block_v, V, K)
+    if V % BV or K % BV:
+        raise ValueError(f"K={K} and V={V} must be multiples of block_v={BV}")
+    width = K + V if summary else V
+    if summary:
+        out_shape = [jax.ShapeDtypeStruct((Nv, HV, K, width), _F32)]
+        init = jnp.zeros((1, 1, 1, 1), _F32)
+    else:
+        out_shape = [jax.ShapeDtypeStruct((TT, HV, V), out_dtype), jax.ShapeDtypeStruct((Nv, HV, K, V), _F32),
+                     jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32)]
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    outs = pl.pallas_call(
+        functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else GPU_PRECISION),
+        grid=(Nv, HV, width // BV),
+        out_shape=out_shape,
+        compiler_params=compiler_params,
+        interpret=interpret,
+    )(vstart, vend, ck_slot, qg, kdT, W, U, Aqk, decay, init)
+    return outs[0] if summary else tuple(outs)

@@ -1,4 +1,4 @@
-"""Pallas KDA kernels (TPU Mosaic, GPU): decode, speculative verify, commit by replay."""
+"""Pallas KDA kernels (TPU Mosaic, GPU): chunked prefill, decode, speculative verify, commit by replay."""
 
 from pallas_kernels.kda.decode import (
     kda_commit,
@@ -8,5 +8,15 @@ from pallas_kernels.kda.decode import (
     kda_verify,
     kda_verify_snapshot,
 )
+from pallas_kernels.kda.prefill import chunk_kda, plan_segments
 
-__all__ = ["kda_commit", "kda_commit_snapshot", "kda_commit_verify", "kda_decode", "kda_verify", "kda_verify_snapshot"]
+__all__ = [
+    "chunk_kda",
+    "kda_commit",
+    "kda_commit_snapshot",
+    "kda_commit_verify",
+    "kda_decode",
+    "kda_verify",
+    "kda_verify_snapshot",
+    "plan_segments",
+]

@@ -64,7 +64,8 @@ def _interpret(interpret, backend):
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
-    backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4,
+    backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
+    prep_num_warps: int = 4,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -75,7 +76,8 @@ def chunk_kda(
         kernels in the interpreter).
       interpret: None: interpret on CPU (``pltpu.InterpretParams()`` for the TPU kernels),
         compile elsewhere; or an explicit value passed to ``pallas_call``.
-      block_v, num_warps: GPU recurrent-stage tiling.
+      block_v, num_warps, num_stages: GPU recurrent-stage tiling and software pipelining.
+      prep_num_warps: GPU warps per token-parallel program.
     """
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
@@ -110,12 +112,14 @@ def chunk_kda(
 
     if kind == "gpu":
         prep = prep_call(q, k, v, g, beta, C=C, scale=scale, head_major=False, interpret=interpret,
-                         precision=jax.lax.Precision.HIGHEST if interpret else GPU_PRECISION)
+                         precision=jax.lax.Precision.HIGHEST if interpret else GPU_PRECISION,
+                         compiler_params=None if interpret else prefill_gpu.params(prep_num_warps, 1))
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v)
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
-        kw = dict(n_ck_slots=n_slots, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps, interpret=interpret)
+        kw = dict(n_ck_slots=n_slots, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+                  interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
         if P > 1:

@@ -61,8 +61,14 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, qg_ref, kdT_ref, w_ref, u_ref, aq
     final_ref[s, h, :, cols] = jax.lax.fori_loop(vstart_ref[s], vend_ref[s], body, S0)
 
 
+def params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
 def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, out_dtype, summary=False, block_v=64, num_warps=4,
-              interpret=False):
+              num_stages=1, interpret=False):
     """Stage 2. ``prep`` is stage 1's output; ``init f32[Nv, HV, K, V]`` (ignored when ``summary``).
 
     Returns ``(o [TT, HV, V] out_dtype, final f32[Nv, HV, K, V], ckpts f32[n_ck_slots, HV, K, V])``
@@ -83,16 +89,11 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, out_dtype, summa
     else:
         out_shape = [jax.ShapeDtypeStruct((TT, HV, V), out_dtype), jax.ShapeDtypeStruct((Nv, HV, K, V), _F32),
                      jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32)]
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else GPU_PRECISION),
         grid=(Nv, HV, width // BV),
         out_shape=out_shape,
-        compiler_params=compiler_params,
+        compiler_params=None if interpret else params(num_warps, num_stages),
         interpret=interpret,
     )(vstart, vend, ck_slot, qg, kdT, W, U, Aqk, decay, init)
     return outs[0] if summary else tuple(outs)

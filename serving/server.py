@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -48,6 +49,27 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+
+class NoTokenizer:
+    """For checkpoints without a tokenizer file: prompts must be token-id lists."""
+
+    def encode(self, text: str) -> list[int]:
+        raise RequestError("this model has no tokenizer (no tokenizer.json in its directory): send the prompt as token ids")
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def load_tokenizer(model: str):
+    """The embedded model's byte tokenizer, a checkpoint's ``tokenizer.json``, or :class:`NoTokenizer`."""
+    if model == "tiny":
+        return ByteTokenizer()
+    path = os.path.join(model, "tokenizer.json")
+    if os.path.exists(path):
+        return HFTokenizer(path)
+    log.warning("no tokenizer.json in %s: prompts must be token-id lists", model)
+    return NoTokenizer()
 
 
 class EngineLoop:
@@ -197,15 +219,7 @@ def main(argv=None):
     print(f"k3jax-serve: loading {a.model} ...", flush=True)
     engine = Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
                     prefix_cache=not a.no_prefix_cache)
-    tokenizer = ByteTokenizer()
-    if a.model != "tiny":
-        import os
-
-        tj = os.path.join(a.model, "tokenizer.json")
-        if os.path.exists(tj):
-            tokenizer = HFTokenizer(tj)
-        else:
-            print("no tokenizer.json in the checkpoint: prompts must be token-id lists", flush=True)
+    tokenizer = load_tokenizer(a.model)
     print("k3jax-serve: compiling (first request shapes) ...", flush=True)
     t0 = time.perf_counter()
     engine.generate([[3] * 8], max_tokens=2)

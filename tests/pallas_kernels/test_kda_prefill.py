@@ -141,3 +141,4 @@ def test_kernels_lower_for_tpu_and_gpu():
     assert tpu.count("tpu_custom_call") >= 2
     gpu = _export("gpu", "cuda", AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     assert gpu.count("xla.gpu.triton") >= 3
+

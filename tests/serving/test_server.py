@@ -9,7 +9,7 @@ import time
 import pytest
 
 from serving.engine import Engine
-from serving.server import ByteTokenizer, serve
+from serving.server import ByteTokenizer, HFTokenizer, NoTokenizer, load_tokenizer, serve
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +108,40 @@ def test_health_and_metrics(server):
     status, text = get(port, "/metrics")
     assert status == 200 and "k3jax_requests_total" in text and "k3jax_cache_hit_tokens_total" in text
     assert get(port, "/nope")[0] == 404
+
+
+def test_checkpoint_tokenizer_path(tmp_path):
+    """A checkpoint directory's tokenizer.json is used for text prompts and outputs; without one,
+    text prompts get a 400 that says to send token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    corpus = ["the state is a matrix", "hello kda world", "delta rule with a gate", "the matrix state decays"]
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"]))
+    (tmp_path / "ckpt").mkdir()
+    tok.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    hf = load_tokenizer(str(tmp_path / "ckpt"))
+    assert isinstance(hf, HFTokenizer) and isinstance(load_tokenizer(str(tmp_path)), NoTokenizer)
+    assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
+
+    # Same engine shapes as the module fixture, so the compiled functions are reused.
+    engine = Engine(max_slots=4, max_len=256, prefill_chunk=32, prefix_cache=True, hash_tokens=64)
+    for tokenizer in (hf, NoTokenizer()):
+        srv, loop = serve(engine, tokenizer, port=0)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        port = srv.server_address[1]
+        try:
+            status, body = post(port, {"prompt": "the state decays", "max_tokens": 4})
+            if tokenizer is hf:
+                assert status == 200, body
+                choice = body["choices"][0]
+                assert body["usage"]["prompt_tokens"] == len(hf.encode("the state decays"))
+                assert choice["text"] == hf.decode(choice["token_ids"]) and len(choice["token_ids"]) == 4
+            else:
+                assert status == 400 and "token ids" in body["error"]["message"]
+            status, body = post(port, {"prompt": [5, 6, 7], "max_tokens": 2})
+            assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
+        finally:
+            loop.stop = True
+            srv.shutdown()

@@ -85,6 +85,12 @@ def chunk_kda(
         raise ValueError(f"checkpoint_stride {checkpoint_stride} must be a positive multiple of chunk_size {chunk_size}")
     B, T, H, HV, K, V, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     kind = _backend(backend)
+    if kind == "tpu" and num_segments not in (None, 1):
+        raise ValueError("segment-parallel prefill is implemented for the GPU kernels only (num_segments must be 1)")
+    if kind == "gpu" and any(d < 16 or d & (d - 1) for d in (K, V)):
+        raise ValueError(f"the GPU kernels need K and V to be powers of two >= 16, got K={K}, V={V}")
+    if num_segments is not None and num_segments < 1:
+        raise ValueError(f"num_segments must be >= 1, got {num_segments}")
     interpret = _interpret(interpret, kind)
     scale = K**-0.5 if scale is None else float(scale)
     out_dtype = _out_dtype(v)

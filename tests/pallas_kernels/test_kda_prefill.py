@@ -113,6 +113,18 @@ def test_repeated_keys_stay_exact(run):
     assert_close(s, s_r, "f32_state")
 
 
+def test_bad_arguments_are_rejected():
+    x = kda_inputs(7, 1, 32, 1, 1, 24, 16)
+    with pytest.raises(ValueError, match="powers of two"):
+        prefill.chunk_kda(*x, backend="gpu")
+    with pytest.raises(ValueError, match="GPU kernels only"):
+        prefill.chunk_kda(*x, backend="tpu", num_segments=2)
+    with pytest.raises(ValueError, match="chunk_size"):
+        prefill.chunk_kda(*x, chunk_size=128)
+    with pytest.raises(ValueError, match="initial_state"):
+        prefill.chunk_kda(*x, initial_state=jnp.zeros((2, 1, 24, 16)))
+
+
 def test_plan_segments():
     plan = partial(prefill.plan_segments, V=128, max_chunks=2048, backend="gpu", num_cores=132)
     assert plan(1, 32) == 1  # 64 programs: heads already fill the device

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -250,20 +251,16 @@ class Engine:
             self.running[req.rid] = req
 
     def _restore(self, slot, adm, hit):
-        """Copy the hit checkpoint and MLA latents from pool pages into the slot."""
-        (ks, cs), nk = self._kda_shapes, len(self.cfg.kda_layers)
-        n_k = nk * int(np.prod(ks))
-        words = self.pool.read_f32(adm.copy_state_from[0], (n_k + nk * int(np.prod(cs)),))
-        # Pages hold the state head-contiguous, [HV, layers, K, V]; the slot keeps [layers, HV, K, V].
-        kda = jnp.swapaxes(words[:n_k].reshape((ks[0], nk) + ks[1:]), 0, 1)
-        conv = words[n_k:].reshape((nk,) + cs)
+        """Copy the hit checkpoint and MLA latents from pool pages into the slot: one device call
+        of one shape whatever the hit length (page ids padded to the slot's block count)."""
         blocks = adm.block_table[: -(-hit // self.B)]
         if adm.copy_block_from is not None:
             blocks[-1] = adm.copy_block_from
-        # One gather for all hit blocks (hit > 0, so there is at least one).
-        rows = self.pool.read_f32_pages([b[0] for b in blocks], self._mla_shape).reshape((-1,) + self._mla_shape[1:])
-        mla = jnp.zeros_like(self.caches.mla_kv[slot]).at[:, :hit].set(jnp.swapaxes(rows[:hit], 0, 1))
-        self.caches = _set_slot(self.caches, slot, kda, conv, mla, jnp.int32(hit))
+        ids = self.pool.page_ids([adm.copy_state_from[0]] + [b[0] for b in blocks])
+        n_blocks = self.caches.mla_kv.shape[2] // self.B
+        mla_ids = np.concatenate([ids[1:], np.full(n_blocks - len(blocks), ids[1], np.int32)])
+        self.caches = _restore_slot(self._kda_shapes, self._mla_shape, self.caches, self.pool.words, slot, ids[0],
+                                    mla_ids, hit)
 
     def _decode_step(self):
         dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
@@ -323,15 +320,12 @@ class Engine:
             return False
         for tok, pages in writes:
             assert tok == r.done, "a checkpoint must be the state the slot holds"
-            state = jnp.concatenate([jnp.swapaxes(self.caches.kda_state[r.slot], 0, 1).reshape(-1),
-                                     self.caches.conv_state[r.slot].reshape(-1)])
-            self.pool.write_f32(pages[0], state, KDA)
+            self.pool.write_f32(pages[0], _checkpoint(self.caches, r.slot), KDA)
         if r.done % self.H == 0:
             # A hash block completed: its physical block's page gets the slot's latents
             # before the step lands (only complete hash blocks are ever matched).
             j = (r.done - 1) // self.B
-            rows = jnp.swapaxes(self.caches.mla_kv[r.slot, :, j * self.B : (j + 1) * self.B], 0, 1)
-            self.pool.write_f32(self.cache.request_blocks(r.rid)[j][0], rows, MLA)
+            self.pool.write_f32(self.cache.request_blocks(r.rid)[j][0], _mla_block(self.B, self.caches, r.slot, j), MLA)
         return True
 
     def _preempt(self, r: _Req):
@@ -469,6 +463,34 @@ def _verify(cfg, kernels, params, window, caches, slot):
 @partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _commit(cfg, caches, slot, after, win, n):
     return _put(caches, slot, commit_window(cfg, _slot(caches, slot), after, win, n))
+
+
+@jax.jit
+def _checkpoint(caches, slot):
+    """A slot's KDA and conv state as checkpoint words; pages hold the state head-contiguous."""
+    return jnp.concatenate([jnp.swapaxes(caches.kda_state[slot], 0, 1).reshape(-1), caches.conv_state[slot].reshape(-1)])
+
+
+@partial(jax.jit, static_argnums=0)
+def _mla_block(B, caches, slot, j):
+    """The slot's MLA latents of physical block ``j`` as ``[B, layers, lat]``."""
+    return jnp.swapaxes(jax.lax.dynamic_slice_in_dim(caches.mla_kv[slot], j * B, B, axis=1), 0, 1)
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def _restore_slot(kda_shapes, mla_shape, caches, words, slot, kda_page, mla_pages, hit):
+    """Inverse of :func:`_checkpoint` / :func:`_mla_block`: the checkpoint page and the first
+    ``hit`` latent rows of ``mla_pages`` (padded to the slot's block count) into ``slot``."""
+    (ks, cs), nk = kda_shapes, caches.kda_state.shape[1]
+    n_k, n_c, n_m = nk * math.prod(ks), nk * math.prod(cs), math.prod(mla_shape)
+    f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
+    state = f32(words[kda_page, : n_k + n_c])
+    kda = jnp.swapaxes(state[:n_k].reshape((ks[0], nk) + tuple(ks[1:])), 0, 1)
+    conv = state[n_k:].reshape((nk,) + tuple(cs))
+    rows = f32(words[mla_pages, :n_m]).reshape((-1,) + tuple(mla_shape[1:]))
+    rows = jnp.where((jnp.arange(rows.shape[0]) < hit)[:, None, None], rows, 0.0)
+    mla = jnp.swapaxes(rows, 0, 1).astype(caches.mla_kv.dtype)
+    return _put(caches, slot, ModelCache(kda, conv, mla, jnp.asarray(hit, caches.pos.dtype)))
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -206,6 +206,10 @@ class PagePool:
         """Read the first ``prod(shape)`` words of a written page as ``f32[shape]``."""
         return self.read_f32_pages([page], shape)[0]
 
+    def page_ids(self, pages) -> np.ndarray:
+        """Checked ids of written pages, for device functions that read ``self.words`` directly."""
+        return np.asarray([self._readable(p) for p in pages], np.int32)
+
     def read_f32_pages(self, pages, shape) -> jax.Array:
         """Read several written pages in one gather: ``f32[len(pages), *shape]``."""
         ids = jnp.asarray([self._readable(p) for p in pages], jnp.int32)

@@ -35,6 +35,22 @@ def test_second_turn_reuses_the_first(cached, plain):
     assert plain.generate([turn1], max_tokens=6)[0].token_ids == r1.token_ids  # chunked == unchunked
 
 
+def test_restoring_hits_of_any_length_compiles_once():
+    """Cache restores of 64 and 128 tokens run one compiled function (no per-hit-length
+    compilation on the serving path); the engine is the server tests' shape."""
+    from serving import engine as eng
+
+    e = Engine(max_slots=4, max_len=256, prefill_chunk=32, prefix_cache=True, hash_tokens=64)
+    conv, sizes = prompt(11, 70), []
+    for turn in range(3):
+        r = e.generate([conv], max_tokens=2)[0]
+        assert r.num_cached_tokens == 64 * turn
+        if turn:
+            sizes.append(eng._restore_slot._cache_size())
+        conv = conv + r.token_ids + prompt(12 + turn, 62)
+    assert sizes[0] == sizes[1] >= 1
+
+
 def test_batch_of_one_vs_many(cached):
     ps = [prompt(2, 30), prompt(3, 90), prompt(4, 5), prompt(5, 300)]
     together = cached.generate(ps, max_tokens=5)

@@ -265,7 +265,11 @@ class Engine:
     def _decode_step(self):
         dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
         if self.speculative:
-            dec = [r for r in dec if not self._spec_step(r)]
+            fits = self.caches.mla_kv.shape[2] - self.speculative - 1
+            spec = [r for r in dec if r.sp.temperature == 0 and r.done <= fits]
+            if spec:
+                self._spec_step(spec)
+                dec = [r for r in dec if r.sp.temperature != 0 or r.done > fits]
         if not dec:
             return
         tokens = np.zeros(self.max_slots, np.int32)
@@ -338,37 +342,46 @@ class Engine:
         with self._lock:
             self.waiting.appendleft(r)
 
-    def _spec_step(self, r: _Req) -> bool:
-        """Speculative decode for one greedy request: verify ``[last] + drafts`` in one forward,
-        keep the agreeing prefix plus the bonus token, and rebuild the state after exactly those
-        tokens by replaying the window's cached projections. False if it did not apply."""
-        if r.sp.temperature != 0:
-            return False
-        room = min((r.done // self.H + 1) * self.H - r.done,  # never cross a hash boundary
-                   self.max_len - r.done, r.sp.max_tokens - len(r.out)) - 1
-        drafts = self.drafter.propose(r.tokens, min(self.speculative, room)) if room > 0 else []
-        if not drafts:
-            return False
-        window = np.zeros(self.speculative + 1, np.int32)
-        window[0], window[1 : 1 + len(drafts)] = r.out[-1], drafts
-        self._note_compile(("verify", self.speculative + 1))
-        logits, after, win = _verify(self.cfg, self.kernels, self.params, jnp.asarray(window), self.caches, r.slot)
+    def _spec_step(self, rows: list[_Req]):
+        """Speculative decode for greedy requests, batched over slots: verify ``[last] + drafts``
+        of every row in one forward, keep each row's agreeing prefix plus the bonus token, and
+        rebuild each state after exactly those tokens by replaying the window's cached
+        projections (one batched commit). A row without drafts is a plain decode step (n = 0)."""
+        S = self.speculative
+        windows = np.zeros((self.max_slots, S + 1), np.int32)
+        active = np.zeros(self.max_slots, bool)
+        drafts = {}
+        for r in rows:
+            room = min((r.done // self.H + 1) * self.H - r.done,  # never cross a hash boundary
+                       self.max_len - r.done, r.sp.max_tokens - len(r.out)) - 1
+            d = self.drafter.propose(r.tokens, min(S, room)) if room > 0 else []
+            drafts[r.rid] = d
+            windows[r.slot, 0], windows[r.slot, 1 : 1 + len(d)] = r.out[-1], d
+            active[r.slot] = True
+        self._note_compile(("verify", self.max_slots, S + 1))
+        logits, after, win = _verify(self.cfg, self.kernels, self.params, jnp.asarray(windows), self.caches)
         preds = np.argmax(np.asarray(logits), axis=-1)
-        n = 0
-        while n < len(drafts) and drafts[n] == preds[n]:
-            n += 1
-        self.metrics["spec_proposed"] += len(drafts)
-        self.metrics["spec_accepted"] += n
-        for i in range(n):
-            self._emit_token(r, drafts[i])
-            if r.rid not in self.running:  # a stop token or max_tokens among the drafts
-                return True
-        self._note_compile(("commit", self.speculative + 1))
-        self.caches = _commit(self.cfg, self.caches, r.slot, after, win, jnp.int32(1 + n))
-        r.done += 1 + n
-        if self._after_forward(r):
-            self._emit_token(r, int(preds[n]))
-        return True
+        accepted = np.zeros(self.max_slots, np.int32)
+        for r in rows:
+            d = drafts[r.rid]
+            n = 0
+            while n < len(d) and d[n] == preds[r.slot, n]:
+                n += 1
+            accepted[r.slot] = n
+            self.metrics["spec_proposed"] += len(d)
+            self.metrics["spec_accepted"] += n
+        self._note_compile(("commit", self.max_slots, S + 1))
+        self.caches = _commit(self.cfg, self.caches, after, win, jnp.asarray(accepted + 1), jnp.asarray(active))
+        for r in rows:
+            n = int(accepted[r.slot])
+            for i in range(n):
+                self._emit_token(r, drafts[r.rid][i])
+                if r.rid not in self.running:  # a stop token or max_tokens among the drafts
+                    break
+            else:
+                r.done += 1 + n
+                if self._after_forward(r):
+                    self._emit_token(r, int(preds[r.slot, n]))
 
     def _emit(self, r: _Req, logits: np.ndarray):
         self._emit_token(r, sample(logits, r.sp, len(r.out)))
@@ -456,13 +469,15 @@ def _decode(cfg, kernels, params, tokens, caches, active):
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _verify(cfg, kernels, params, window, caches, slot):
-    return forward(cfg, params, window, _slot(caches, slot), kernels, return_window=True)
+def _verify(cfg, kernels, params, windows, caches):
+    return jax.vmap(lambda w, c: forward(cfg, params, w, c, kernels, return_window=True))(windows, caches)
 
 
 @partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _commit(cfg, caches, slot, after, win, n):
-    return _put(caches, slot, commit_window(cfg, _slot(caches, slot), after, win, n))
+def _commit(cfg, caches, after, win, n, active):
+    new = jax.vmap(partial(commit_window, cfg))(caches, after, win, n)
+    keep = lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return jax.tree.map(keep, new, caches)
 
 
 @jax.jit

@@ -101,30 +101,32 @@ def test_preemption_recomputes_and_never_corrupts(plain):
 
 
 class OracleDrafter:
-    """Proposes a known continuation with every third draft position corrupted, so steps accept
-    all, some or none of their drafts."""
+    """Proposes each prompt's known continuation with every third draft position corrupted, so
+    steps accept all, some or none of their drafts."""
 
-    def __init__(self, prompt_len, continuation):
-        self.n, self.cont = prompt_len, continuation
+    def __init__(self, pairs):
+        self.pairs = pairs
 
     def propose(self, tokens, k):
-        i = len(tokens) - self.n
-        out = list(self.cont[i : i + k])
+        prompt, cont = next((p, c) for p, c in self.pairs if tokens[: len(p)] == p)
+        i = len(tokens) - len(prompt)
+        out = list(cont[i : i + k])
         return [t if (i + j) % 3 else (t + 1) % 256 for j, t in enumerate(out)]
 
 
 def test_speculative_greedy_equals_plain_greedy(plain):
-    p = prompt(10, 40)
-    want = plain.generate([p], max_tokens=24)[0].token_ids
+    """Batched verify + commit over three concurrent requests of different lengths equals plain
+    greedy decoding token for token; so does the n-gram drafter on repetitive prompts."""
+    ps = [prompt(10, 40), prompt(13, 17), prompt(14, 66)]
+    want = [r.token_ids for r in plain.generate(ps, max_tokens=24)]
     spec = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3,
-                  drafter=OracleDrafter(len(p), want))
-    got = spec.generate([p], max_tokens=24)[0].token_ids
-    assert got == want
+                  drafter=OracleDrafter(list(zip(ps, want))))
+    assert [r.token_ids for r in spec.generate(ps, max_tokens=24)] == want
     m = spec.metrics
     assert 0 < m["spec_accepted"] < m["spec_proposed"]
-    # The n-gram drafter on a real run: equal outputs whatever it proposes.
     ngram = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3)
-    assert ngram.generate([p * 3], max_tokens=10)[0].token_ids == plain.generate([p * 3], max_tokens=10)[0].token_ids
+    reps = [ps[0] * 3, ps[1] * 4]
+    assert [r.token_ids for r in ngram.generate(reps, max_tokens=10)] == [r.token_ids for r in plain.generate(reps, max_tokens=10)]
 
 
 def test_ngram_drafter():

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import time_jax, write_json
-from k3jax.model import ModelConfig, forward, init_cache, init_params
+from k3jax.model import Kernels, ModelConfig, forward, init_cache, init_params
 
 MID = {
     "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "moe_intermediate_size": 512,
@@ -38,10 +38,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--recurrent-max-t", type=int, default=Kernels.recurrent_max_t,
+                    help="pieces up to this many tokens use the token-by-token KDA (0: always chunked)")
     a = ap.parse_args()
     cfg, params = mid_model()
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    fwd = jax.jit(partial(forward, cfg), donate_argnums=2)
+    fwd = jax.jit(partial(forward, cfg, kernels=Kernels(recurrent_max_t=a.recurrent_max_t)), donate_argnums=2)
     ids = [jax.random.randint(jax.random.key(s), (a.T,), 3, cfg.vocab_size) for s in (1, 2)]
     max_len = a.T + a.decode_steps + 8
     prefill = lambda ids: fwd(params, ids, init_cache(cfg, max_len))
@@ -60,7 +62,7 @@ def main():
         ts.append(time.perf_counter() - t0)
     ts.sort()
     row = {"T": a.T, "params_M": n_params / 1e6, "prefill_ms": t_prefill * 1e3, "prefill_tok_s": a.T / t_prefill,
-           "decode_step_ms_median": ts[len(ts) // 2] * 1e3, "kernels": "XLA references",
+           "decode_step_ms_median": ts[len(ts) // 2] * 1e3, "kernels": "XLA references", "recurrent_max_t": a.recurrent_max_t,
            "date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind}
     print(json.dumps(row))
     write_json(row, "model.json")

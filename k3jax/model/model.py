@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from k3jax.model.config import ModelConfig
 from k3jax.ops.conv import short_conv
-from k3jax.ops.kda import chunk_kda, kda_commit, kda_gate, l2norm
+from k3jax.ops.kda import chunk_kda, kda_commit, kda_gate, l2norm, naive_recurrent_kda
 
 HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
@@ -32,10 +32,17 @@ f32 = jnp.float32
 
 @dataclass(frozen=True)
 class Kernels:
-    """Device ops the model calls; ``serving`` passes the Pallas set for its device."""
+    """Device ops the model calls; ``serving`` passes the Pallas set for its device.
+
+    Pieces of at most ``recurrent_max_t`` tokens (decode steps, speculative windows, the tail
+    pieces of a prefill) run through ``recurrent_kda`` (token by token): the chunked form would
+    pad them to a whole chunk.
+    """
 
     chunk_kda: Callable = chunk_kda
     short_conv: Callable = short_conv
+    recurrent_kda: Callable = naive_recurrent_kda
+    recurrent_max_t: int = 16
 
 
 class ModelCache(NamedTuple):
@@ -99,7 +106,8 @@ def kda_attention(cfg: ModelConfig, p, x, state, conv_state, kernels: Kernels):
                  lower_bound=cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(linear(x, p["b"]))[None]
     q, k = l2norm(q), l2norm(k)
-    o, state = kernels.chunk_kda(q, k, v, g, beta, initial_state=state[None])
+    kda = kernels.recurrent_kda if T <= kernels.recurrent_max_t else kernels.chunk_kda
+    o, state = kda(q, k, v, g, beta, initial_state=state[None])
     gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
     o = rms_norm(o[0], p["o_norm"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.reshape(T, HV, K))
     window = WindowInputs(k[0], v[0], g[0], beta[0], raw)

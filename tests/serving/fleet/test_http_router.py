@@ -78,30 +78,33 @@ def test_sticky_routing_failover_and_streaming(fleet):
 
     def worker(s):
         try:
-            results[s] = _complete(port, s, f"Hello from {s}", max_tokens=24)
+            results[s] = _complete(port, s, f"Hello from {s}", max_tokens=48)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in sessions]
     for t in threads:
         t.start()
-    time.sleep(0.3)
-    procs[victim].kill()  # mid-run: some of these requests are in flight on it
+    time.sleep(0.05)
+    procs[victim].kill()  # mid-run: these requests are in flight on it or about to be sent to it
     for t in threads:
         t.join(timeout=240)
     assert not errors, errors
     assert set(results) == set(sessions), "every request was answered"
     for s in sessions:
         backend, tokens = results[s]
-        assert backend != victim
         assert tokens[:6] == first[s][1], "the same greedy output on whichever backend served it"
         if s not in moved:
             assert backend == first[s][0], "sessions on healthy backends do not move"
-    # Moved sessions went to their next-ranked healthy cluster and stay there.
+    # A request can only have come back from the victim if it finished before the kill; the
+    # others failed over. Moved sessions go to their next-ranked healthy cluster and stay there.
+    assert any(results[s][0] != victim for s in moved), "no request failed over"
     for s in moved:
         ranked = [b for b in router.router.ranking(s) if b != victim]
-        assert results[s][0] in ranked[:2]
-        assert _complete(port, s, "again")[0] == results[s][0]
+        again = _complete(port, s, "again")[0]
+        assert again in ranked[:2]
+        if results[s][0] != victim:
+            assert results[s][0] == again
 
     deadline = time.time() + 10
     while victim in router.healthy() and time.time() < deadline:

@@ -266,10 +266,10 @@ class Engine:
         dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
         if self.speculative:
             fits = self.caches.mla_kv.shape[2] - self.speculative - 1
-            spec = [r for r in dec if r.sp.temperature == 0 and r.done <= fits]
+            spec = {r.rid for r in dec if r.sp.temperature == 0 and r.done <= fits}
             if spec:
-                self._spec_step(spec)
-                dec = [r for r in dec if r.sp.temperature != 0 or r.done > fits]
+                self._spec_step([r for r in dec if r.rid in spec])
+                dec = [r for r in dec if r.rid not in spec]
         if not dec:
             return
         tokens = np.zeros(self.max_slots, np.int32)

@@ -212,8 +212,7 @@ class PagePool:
 
     def read_f32_pages(self, pages, shape) -> jax.Array:
         """Read several written pages in one gather: ``f32[len(pages), *shape]``."""
-        ids = jnp.asarray([self._readable(p) for p in pages], jnp.int32)
-        return _read_f32(self._storage(), ids, tuple(shape))
+        return _read_f32(self._storage(), jnp.asarray(self.page_ids(pages)), tuple(shape))
 
     def write_kda_state(self, page: int, state: jax.Array):
         """Write ``f32[HV, layers, K, V]`` (head-contiguous) into a KDA page."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k3jax.ops.kda import kda_gate, l2norm
 
@@ -54,3 +55,30 @@ def random_cu_seqlens(rng: np.random.Generator, T: int, N: int, pad: int = 0) ->
     """``N`` sequence lengths (zeros and ones included) summing to ``T - pad``."""
     cuts = np.sort(rng.integers(0, T - pad + 1, size=N - 1))
     return np.concatenate([[0], cuts, [T - pad]]).astype(np.int32)
+
+
+def kernel_backends(tpu_backend: str, tpu_interpret):
+    """A ``run`` fixture over the Pallas backends: the TPU kernels in the Mosaic interpreter
+    (``tpu_interpret``; fails the test on a detected race), the GPU kernels in the generic
+    interpreter, and the compiled kernels (``-m gpu``, skipped on CPU)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+    from jax.experimental.pallas import tpu as pltpu
+
+    params = [
+        pytest.param(dict(backend=tpu_backend, interpret=tpu_interpret), id="tpu-interpret"),
+        pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
+        pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu),
+    ]
+
+    @pytest.fixture(params=params)
+    def run(request):
+        opts = request.param
+        if opts["interpret"] is False and jax.default_backend() == "cpu":
+            pytest.skip("compiled kernels need an accelerator")
+        yield opts
+        if opts["interpret"] is tpu_interpret:
+            races = tpu_interpreter.races
+            assert races is None or not races.races_found, "the TPU interpreter detected a data race"
+            pltpu.reset_tpu_interpret_mode_state()
+
+    return run

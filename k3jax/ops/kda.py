@@ -266,6 +266,8 @@ class _ChunkLayout(NamedTuple):
     first: jax.Array  # bool[NC]
     last: jax.Array  # bool[NC]
     ckpt: jax.Array  # i32[NC] checkpoint index written after this chunk, or -1
+    lens: jax.Array  # i32[N] sequence lengths
+    cstart: jax.Array  # i32[N + 1] first chunk of each sequence (and the end)
 
 
 def _chunk_layout(cu, T, C, N, stride):
@@ -300,6 +302,8 @@ def _chunk_layout(cu, T, C, N, stride):
         first=chunk_ok & (local == 0),
         last=chunk_ok & (local == nch[s_c] - 1),
         ckpt=ckpt,
+        lens=lens,
+        cstart=cstart,
     )
 
 

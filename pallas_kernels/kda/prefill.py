@@ -107,9 +107,8 @@ def chunk_kda(
     if not dense:  # chunk-aligned packing; zero tokens (k = beta = g = 0) are the identity map
         ok = lay.ok
         q, k, v, g, beta = (jnp.where(ok.reshape(-1, 1, 1), x[lay.src], 0).astype(x.dtype) for x in (q, k, v, g, beta))
-    lens = cu[1:] - cu[:-1]
-    nch = (lens + C - 1) // C
-    cstart = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])
+    lens, cstart = lay.lens, lay.cstart
+    nch = cstart[1:] - cstart[:-1]
     init = jnp.zeros((N, HV, K, V), _F32) if initial_state is None else initial_state.astype(_F32)
     n_ck = 0 if checkpoint_stride is None else T // checkpoint_stride
     ci = lay.ckpt[:NC]

@@ -18,26 +18,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import kda as ref
 from pallas_kernels import kda
-from tests.helpers import assert_close, kda_inputs, random_state
+from tests.helpers import assert_close, kda_inputs, kernel_backends, random_state
 
 TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=7)
 
-BACKENDS = [
-    pytest.param(dict(backend="cpu", interpret=TPU_INTERPRET), id="tpu-interpret"),
-    pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
-    pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def run(request):
-    opts = request.param
-    if opts["interpret"] is False and jax.default_backend() == "cpu":
-        pytest.skip("compiled kernels need an accelerator")
-    yield opts
-    if opts["interpret"] is TPU_INTERPRET:
-        races = tpu_interpreter.races
-        assert races is None or not races.races_found, "the TPU interpreter detected a data race"
+run = kernel_backends("cpu", TPU_INTERPRET)
 
 
 def _pool(seed, num_slots, HV, K, V):

@@ -19,7 +19,7 @@ from benchmarks.common import hw_fraction, kda_flops_per_token_head, rel_rms, ti
 from benchmarks.kda_reference import inputs
 from k3jax.ops.kda import naive_recurrent_kda
 from pallas_kernels.kda import prefill
-from pallas_kernels.kda._chunk import GPU_PRECISION, prep_call
+from pallas_kernels.kda._chunk import GPU_PRECISION, prep_body_vec, prep_call
 from pallas_kernels.kda.prefill_gpu import params
 
 SHAPES = [(1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32), (1, 131072, 4), (1, 131072, 12)]
@@ -29,7 +29,7 @@ MATCH_TOL = 1e-2
 def stage1(q, k, v, g, beta, num_warps):
     f = lambda x: x.reshape(-1, *x.shape[2:])
     return prep_call(f(q), f(k), f(v), f(g), f(beta)[..., None], C=64, scale=q.shape[-1] ** -0.5, head_major=False,
-                     precision=GPU_PRECISION, compiler_params=params(num_warps, 1))
+                     precision=GPU_PRECISION, compiler_params=params(num_warps, 1), body=prep_body_vec)
 
 
 def main():
@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--shapes", default=None, help="B,T,H;B,T,H;... (default: the issue's shapes)")
     ap.add_argument("--segments", default="plan", help="comma list of segment counts; 'plan' is the planner's")
-    ap.add_argument("--configs", default="64:4:1:4",
+    ap.add_argument("--configs", default="64:4:1:8",
                     help="comma list of block_v:num_warps:num_stages:prep_num_warps")
     a = ap.parse_args()
     from fla.ops.kda import chunk_kda as fla_chunk_kda

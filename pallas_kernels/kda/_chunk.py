@@ -122,6 +122,89 @@ def prep_body(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_re
     jax.lax.fori_loop(0, C // SUB, sub_chunk, (jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32)))
 
 
+def _block_mask(n, b):
+    """``(r, c)`` inside one ``2b`` diagonal block, ``r`` in its lower ``b`` half, ``c`` in its upper one."""
+    r, c = _iota((n, n), 0), _iota((n, n), 1)
+    return (jax.lax.div(r, 2 * b) == jax.lax.div(c, 2 * b)) & (jax.lax.div(r, b) > jax.lax.div(c, b))
+
+
+def _merge_inverse(X, N, b0, precision):
+    """``(I + N)^-1`` from ``X``, the inverse of ``I + N``'s ``b0 x b0`` block diagonal (``N`` strictly lower).
+
+    Each level doubles the block: ``X <- X - X (N_b X)``, with ``N_b`` the blocks joining two
+    ``b``-blocks into a ``2b``-block; exact block elimination, not a series, so it needs no
+    cancellation (repeated keys stay exact).
+    """
+    n, b = N.shape[0], b0
+    while b < n:
+        X = X - _dot(X, _dot(jnp.where(_block_mask(n, b), N, 0.0), X, precision), precision)
+        b *= 2
+    return X
+
+
+def prep_body_vec(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale,
+                  precision=_HI, k_piece=32):
+    """Stage 1 as :func:`prep_body` with no serial row loop inside a sub-chunk (the GPU body).
+
+    Per 16-row sub-chunk: its off-diagonal blocks are one matmul anchored at its first row;
+    its diagonal block is exact pairwise differences of a local gate cumsum, as a
+    ``[16, 16, k_piece]`` broadcast per slice of K reduced over K; the diagonal block's unit
+    lower inverse is block doubling (1 -> 16). Then block doubling (16 -> C) over the chunk
+    gives ``(I + Akk)^-1`` (:func:`_merge_inverse`): matmuls only, no row picks.
+    """
+    dot = partial(_dot, precision=precision)
+    C, K = k_ref.shape
+    kp = min(k_piece, K)
+    g = g_ref[...].astype(_F32)
+    k = k_ref[...].astype(_F32)
+    G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
+    GT = G.T
+    GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
+    decay_ref[...] = jnp.exp(GlastT)
+    kdT_ref[...] = k.T * jnp.exp(GlastT - GT)
+    row = _iota((C, 1), 0)
+    r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+    causal = (r16 >= c16)[:, :, None]
+    tri16 = jnp.where(c16 <= r16, 1.0, 0.0).astype(_F32)
+    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(_F32)
+
+    def sub_chunk(i, NX):
+        start = pl.multiple_of(i * SUB, SUB)
+        rows = pl.ds(start, SUB)
+        qi = q_ref[rows, :].astype(_F32)
+        ki = k_ref[rows, :].astype(_F32)
+        bi = beta_ref[rows, :].astype(_F32)
+        Gi = _dot(jnp.where(_iota((SUB, C), 1) <= _iota((SUB, C), 0) + start, 1.0, 0.0).astype(_F32), g)
+        anchor = _pick_row(Gi, 0)
+        to_anchor = jnp.exp(Gi - anchor)
+        k_anc = k * jnp.exp(jnp.where(row < start, anchor - G, -jnp.inf))  # columns of earlier sub-chunks
+        qg_ref[rows, :] = scale * qi * jnp.exp(Gi)
+
+        def piece(p, A):
+            cols = pl.ds(pl.multiple_of(p * kp, kp), kp)
+            Gl = _dot(tri16, g_ref[rows, cols].astype(_F32))  # local cumsum: differences are exact G_r - G_c
+            kq = k_ref[rows, cols].astype(_F32)
+            e = kq[None, :, :] * jnp.exp(jnp.where(causal, Gl[:, None, :] - Gl[None, :, :], -jnp.inf))
+            return (A[0] + jnp.sum(q_ref[rows, cols].astype(_F32)[:, None, :] * e, axis=2),
+                    A[1] + jnp.sum(kq[:, None, :] * e, axis=2))
+
+        zero = jnp.zeros((SUB, SUB), _F32)
+        Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
+        P = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
+        aqk_ref[rows, :] = scale * (_dot_nt(qi * to_anchor, k_anc, precision) + _dot_nt(Aqk_d, P, precision))
+        Xd = _merge_inverse(eye16, bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, precision)
+        N, X = NX
+        N = N + dot(P, bi * _dot_nt(ki * to_anchor, k_anc, precision))
+        return N, X + dot(P, _dot_nt(Xd, P, precision))
+
+    zero = jnp.zeros((C, C), _F32)
+    N, X = jax.lax.fori_loop(0, C // SUB, sub_chunk, (zero, zero))
+    X = _merge_inverse(X, N, SUB, precision)
+    beta = beta_ref[...].astype(_F32)
+    w_ref[...] = dot(X, beta * k * jnp.exp(G))
+    u_ref[...] = dot(X, beta * v_ref[...].astype(_F32))
+
+
 def chunk_step(S, qg, kdT, W, U, Aqk, decay, precision=_HI):
     """One chunk of the recurrence on ``S f32[K, BV]``. Returns ``(o [C, BV], S')``."""
     dot = partial(_dot, precision=precision)
@@ -130,7 +213,8 @@ def chunk_step(S, qg, kdT, W, U, Aqk, decay, precision=_HI):
     return o, decay * S + dot(kdT, v_new)
 
 
-def prep_call(q, k, v, g, beta, *, C, scale, head_major, precision=_HI, compiler_params=None, interpret=False):
+def prep_call(q, k, v, g, beta, *, C, scale, head_major, precision=_HI, compiler_params=None, interpret=False,
+              body=prep_body):
     """Stage 1 over every chunk at once: grid ``(NC, HV)``, both axes parallel.
 
     Inputs are chunk-aligned packed streams: token-major ``q, k [TT, H, K]``, ``v [TT, HV, V]``,
@@ -151,7 +235,7 @@ def prep_call(q, k, v, g, beta, *, C, scale, head_major, precision=_HI, compiler
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
     return pl.pallas_call(
-        partial(prep_body, scale=scale, precision=precision),
+        partial(body, scale=scale, precision=precision),
         grid=(NC, HV),
         in_specs=[spec(K, True), spec(K, True), spec(V, False), spec(K, False), spec(1, False)],
         out_specs=[rows(K), per_chunk(C), rows(K), rows(V), rows(C), per_chunk(1)],

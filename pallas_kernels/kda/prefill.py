@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm
 from k3jax.ops.segments import segment_initial_states
 from pallas_kernels.kda import prefill_gpu, prefill_tpu
-from pallas_kernels.kda._chunk import GPU_PRECISION, prep_call
+from pallas_kernels.kda._chunk import GPU_PRECISION, prep_body_vec, prep_call
 
 _F32 = jnp.float32
 
@@ -65,7 +65,7 @@ def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
-    prep_num_warps: int = 4,
+    prep_num_warps: int = 8, scan_precision=None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -78,6 +78,8 @@ def chunk_kda(
         compile elsewhere; or an explicit value passed to ``pallas_call``.
       block_v, num_warps, num_stages: GPU recurrent-stage tiling and software pipelining.
       prep_num_warps: GPU warps per token-parallel program.
+      scan_precision: GPU matmul precision of the recurrent and output stages; None: single-pass TF32 for
+        bf16/f16 inputs (their outputs round to 8 bits anyway), TF32x3 for float32 inputs.
     """
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
@@ -118,20 +120,26 @@ def chunk_kda(
     if kind == "gpu":
         prep = prep_call(q, k, v, g, beta, C=C, scale=scale, head_major=False, interpret=interpret,
                          precision=jax.lax.Precision.HIGHEST if interpret else GPU_PRECISION,
-                         compiler_params=None if interpret else prefill_gpu.params(prep_num_warps, 1))
+                         compiler_params=None if interpret else prefill_gpu.params(prep_num_warps, 1),
+                         body=prep_body_vec)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v)
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
-        kw = dict(n_ck_slots=n_slots, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
-                  interpret=interpret)
+        if scan_precision is None:
+            low = jnp.dtype(out_dtype).itemsize < 4
+            scan_precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32 if low else GPU_PRECISION
+        kw = dict(n_ck_slots=n_slots, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+                  precision=scan_precision, interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
         if P > 1:
             ME = prefill_gpu.scan_call(prep, None, vstart, vend, ck_slot, summary=True, **kw)
             ME = ME.reshape(N, P, HV, K, K + V)
             starts = segment_initial_states((ME[..., :K], ME[..., K:]), init).reshape(N * P, HV, K, V)
-        o, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, **kw)
+        hs, v_new, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, **kw)
+        o = prefill_gpu.out_call(prep, hs, v_new, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps,
+                                 precision=scan_precision, interpret=interpret)
         final = final.reshape(N, P, HV, K, V)[:, -1]
     else:
         head = lambda x: jnp.moveaxis(x, 1, 0)

@@ -1,10 +1,13 @@
 """GPU prefill kernels (Pallas Triton lowering; README.md says why not Mosaic GPU).
 
-Stage 1 is :func:`pallas_kernels.kda._chunk.prep_call` on token-major inputs. Stage 2,
-:func:`scan_call`, has grid ``(virtual sequences, HV, column blocks)``: each program keeps
-``f32[K, BV]`` of one state in registers and loops over its virtual sequence's chunks
-(``vstart[s] <= c < vend[s]``). A virtual sequence is a whole sequence or, for
-segment-parallel prefill, one segment of it. Refs are whole arrays indexed in the kernel.
+Stage 1 is :func:`pallas_kernels.kda._chunk.prep_call` (body ``prep_body_vec``) on token-major
+inputs. Stage 2, :func:`scan_call`, has grid ``(virtual sequences, HV, column blocks)``: each
+program keeps ``f32[K, BV]`` of one state in registers and loops over its virtual sequence's
+chunks (``vstart[s] <= c < vend[s]``) doing only ``V_new = U - W S`` and
+``S' = decay S + kd^T V_new``, storing the state entering each chunk and ``V_new``. Stage 3,
+:func:`out_call`, computes every chunk's outputs ``qg S_c + Aqk V_new`` in parallel. A virtual
+sequence is a whole sequence or, for segment-parallel prefill, one segment of it. Refs are
+whole arrays indexed in the kernel (stage 2).
 
 ``summary=True`` computes each virtual sequence's affine map ``S -> M S + E`` instead of
 outputs: the recurrence is independent across state columns, so running it on ``K + V``
@@ -19,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._chunk import _F32, _HI, GPU_PRECISION, chunk_step
+from pallas_kernels.kda._chunk import _F32, _HI, GPU_PRECISION, _dot
 
 
-def _scan_kernel(vstart_ref, vend_ref, ck_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, init_ref, *outs,
-                 BV: int, summary: bool, precision):
+def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, *outs, BV: int,
+                 summary: bool, precision):
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K = w_ref.shape[-1]
     C = kdT_ref.shape[-1]
@@ -36,7 +39,7 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, qg_ref, kdT_ref, w_ref, u_ref, aq
         S0 = jnp.where(is_m & eye, 1.0, 0.0).astype(_F32)
         u_scale = jnp.clip(j - nK + 1, 0, 1).astype(_F32)  # 0 for the M columns
     else:
-        o_ref, final_ref, ckpt_ref = outs
+        hs_ref, vnew_ref, final_ref, ckpt_ref = outs
         ucols = pl.ds(j * BV, BV)
         S0 = init_ref[s, h, :, ucols]
         u_scale = 1.0
@@ -44,12 +47,12 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, qg_ref, kdT_ref, w_ref, u_ref, aq
 
     def body(c, S):
         rows = pl.ds(c * C, C)
-        o, S = chunk_step(
-            S, qg_ref[h, rows, :], kdT_ref[h, c], w_ref[h, rows, :], u_scale * u_ref[h, rows, ucols],
-            aqk_ref[h, rows, :], decay_ref[h, c], precision,
-        )
+        v_new = u_scale * u_ref[h, rows, ucols] - _dot(w_ref[h, rows, :], S, precision)
         if not summary:
-            o_ref[rows, h, cols] = o.astype(o_ref.dtype)
+            hs_ref[h, c, :, cols] = S  # the state entering the chunk, for out_call
+            vnew_ref[h, rows, cols] = v_new
+        S = decay_ref[h, c] * S + _dot(kdT_ref[h, c], v_new, precision)
+        if not summary:
             slot = ck_ref[c]
 
             @pl.when(slot >= 0)
@@ -67,15 +70,18 @@ def params(num_warps, num_stages):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, out_dtype, summary=False, block_v=64, num_warps=4,
-              num_stages=1, interpret=False):
-    """Stage 2. ``prep`` is stage 1's output; ``init f32[Nv, HV, K, V]`` (ignored when ``summary``).
+def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, block_v=64, num_warps=4,
+              num_stages=1, precision=GPU_PRECISION, interpret=False):
+    """Stage 2, the state recurrence only (two matmuls per chunk); :func:`out_call` then gives the outputs.
 
-    Returns ``(o [TT, HV, V] out_dtype, final f32[Nv, HV, K, V], ckpts f32[n_ck_slots, HV, K, V])``
-    (checkpoint slot ``ck_slot[c]`` is written after chunk ``c`` when ``>= 0``; others untouched,
-    so unwritten slots hold garbage), or ``f32[Nv, HV, K, K + V]`` (``[M | E]``) when ``summary``.
+    ``prep`` is stage 1's output; ``init f32[Nv, HV, K, V]`` (ignored when ``summary``).
+    Returns ``(states f32[HV, NC, K, V], V_new f32[HV, TT, V], final f32[Nv, HV, K, V],
+    ckpts f32[n_ck_slots, HV, K, V])``: the state entering every chunk, ``U - W S`` of every
+    chunk, each virtual sequence's final state, and checkpoint slot ``ck_slot[c]`` written after
+    chunk ``c`` when ``>= 0`` (others untouched, so unwritten slots hold garbage); or
+    ``f32[Nv, HV, K, K + V]`` (``[M | E]``) when ``summary``.
     """
-    qg, kdT, W, U, Aqk, decay = prep
+    _, kdT, W, U, _, decay = prep
     HV, TT, K = W.shape
     V = U.shape[-1]
     Nv = vstart.shape[0]
@@ -87,13 +93,39 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, out_dtype, summa
         out_shape = [jax.ShapeDtypeStruct((Nv, HV, K, width), _F32)]
         init = jnp.zeros((1, 1, 1, 1), _F32)
     else:
-        out_shape = [jax.ShapeDtypeStruct((TT, HV, V), out_dtype), jax.ShapeDtypeStruct((Nv, HV, K, V), _F32),
-                     jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32)]
+        out_shape = [jax.ShapeDtypeStruct((HV, TT // kdT.shape[-1], K, V), _F32), jax.ShapeDtypeStruct((HV, TT, V), _F32),
+                     jax.ShapeDtypeStruct((Nv, HV, K, V), _F32), jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32)]
     outs = pl.pallas_call(
-        functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else GPU_PRECISION),
+        functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else precision),
         grid=(Nv, HV, width // BV),
         out_shape=out_shape,
         compiler_params=None if interpret else params(num_warps, num_stages),
         interpret=interpret,
-    )(vstart, vend, ck_slot, qg, kdT, W, U, Aqk, decay, init)
+    )(vstart, vend, ck_slot, kdT, W, U, decay, init)
     return outs[0] if summary else tuple(outs)
+
+
+def _out_kernel(qg_ref, hs_ref, aqk_ref, vnew_ref, o_ref, *, precision):
+    o = _dot(qg_ref[...], hs_ref[...], precision) + _dot(aqk_ref[...], vnew_ref[...], precision)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def out_call(prep, hs, v_new, *, out_dtype, block_v=64, num_warps=4, precision=GPU_PRECISION, interpret=False):
+    """Outputs of every chunk at once from :func:`scan_call`'s states and ``V_new``:
+    ``O = qg S_c + Aqk V_new``, grid ``(chunks, HV, V / block_v)``, all parallel. Returns ``[TT, HV, V]``."""
+    qg, kdT, _, _, Aqk, _ = prep
+    HV, TT, K = qg.shape
+    C, V = kdT.shape[-1], v_new.shape[-1]
+    BV = min(block_v, V)
+    return pl.pallas_call(
+        functools.partial(_out_kernel, precision=_HI if interpret else precision),
+        grid=(TT // C, HV, V // BV),
+        in_specs=[pl.BlockSpec((None, C, K), lambda c, h, j: (h, c, 0)),
+                  pl.BlockSpec((None, None, K, BV), lambda c, h, j: (h, c, 0, j)),
+                  pl.BlockSpec((None, C, C), lambda c, h, j: (h, c, 0)),
+                  pl.BlockSpec((None, C, BV), lambda c, h, j: (h, c, j))],
+        out_specs=pl.BlockSpec((C, None, BV), lambda c, h, j: (c, h, j)),
+        out_shape=jax.ShapeDtypeStruct((TT, HV, V), out_dtype),
+        compiler_params=None if interpret else params(num_warps, 1),
+        interpret=interpret,
+    )(qg, hs, Aqk, v_new)

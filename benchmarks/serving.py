@@ -16,6 +16,8 @@ import numpy as np
 
 from benchmarks.common import HBM_BYTES_PER_S, write_json
 from benchmarks.model import mid_model
+from k3jax.model import Kernels
+from pallas_kernels.kda import chunk_kda
 from serving.engine import Engine
 
 
@@ -54,9 +56,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
+                    help="chunked KDA prefill: the XLA path or pallas_kernels.kda.chunk_kda")
     a = ap.parse_args()
     cfg, params = mid_model()
-    kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256)
+    kernels = Kernels(chunk_kda=chunk_kda) if a.kernels == "pallas" else None
+    kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256, kernels=kernels)
     rows = {}
     for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})):
         e = Engine((cfg, params), **kw, **opts)

@@ -136,3 +136,22 @@ def test_ngram_drafter():
     assert d.propose([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]
     assert d.propose([5, 6, 7], 2) == []
     assert d.propose([4, 1, 4], 5) == [1, 4]
+
+
+def test_pallas_prefill_kernel_swaps_in(plain):
+    """The Pallas prefill kernel (the GPU kernels, interpreted on CPU) injected through
+    ``Kernels`` serves the same greedy tokens as the XLA path, prefix cache on (second turn)."""
+    from functools import partial
+
+    from k3jax.model import Kernels
+    from pallas_kernels.kda import chunk_kda
+
+    e = Engine(max_slots=2, max_len=256, prefill_chunk=128, hash_tokens=64,
+               kernels=Kernels(chunk_kda=partial(chunk_kda, backend="gpu", interpret=True)))
+    turn1 = prompt(21, 150)
+    r1 = e.generate([turn1], max_tokens=4)[0]
+    turn2 = turn1 + r1.token_ids + prompt(22, 40)
+    r2 = e.generate([turn2], max_tokens=4)[0]
+    assert r2.num_cached_tokens == 128
+    assert r1.token_ids == plain.generate([turn1], max_tokens=4)[0].token_ids
+    assert r2.token_ids == plain.generate([turn2], max_tokens=4)[0].token_ids

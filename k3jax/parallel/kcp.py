@@ -111,13 +111,23 @@ def chunk_kda_cp(
         return o, fin
 
     if cu_seqlens is None:
-        # Every row is one sequence spanning all ranks.
-        cu_row = jnp.array([0, T], jnp.int32)
-
+        # Every row is one sequence spanning all ranks. The rank's B row pieces are summarised
+        # together, exchanged in one all-gather, and run as one packed varlen kernel call.
         def shard_fn(q, k, v, g, beta, init):
-            row = lambda q, k, v, g, beta, s: shard_seq(q[None], k[None], v[None], g[None], beta[None], cu_row, s[None])
-            o, fin = jax.vmap(row)(q, k, v, g, beta, init)
-            return o[:, 0], fin[:, 0]
+            Bl = q.shape[0]
+            r = jax.lax.axis_index(axis_name)
+            first = r == 0
+            M, E = kda_segment_summary(k, v, g, beta, chunk_size=chunk_size)  # [B, HV, K, *]
+            E = jnp.where(first, apply_segment((M, E), init), E)  # rank 0's map is constant
+            M = jnp.where(first, jnp.zeros_like(M), M)
+            Ms, Es = jax.lax.all_gather((M.astype(fold_dtype), E.astype(fold_dtype)), axis_name)  # [P, B, ...]
+            _, E_incl = jax.lax.associative_scan(combine_segments, (Ms, Es), axis=0)
+            s_in = jnp.where(first, init, E_incl[jnp.maximum(r - 1, 0)].astype(jnp.float32))
+            pack = lambda x: x.reshape(1, Bl * L, *x.shape[2:])
+            o, fin = kernel(pack(q), pack(k), pack(v), pack(g), pack(beta), scale=scale, initial_state=s_in,
+                            cu_seqlens=jnp.arange(Bl + 1, dtype=jnp.int32) * L, chunk_size=chunk_size)
+            fin = jax.lax.psum(jnp.where(r == P - 1, fin, 0.0), axis_name)
+            return o.reshape(Bl, L, *o.shape[2:]), fin
 
         args = (q, k, v, g, beta, init)
         in_specs = (PartitionSpec(None, axis_name),) * 5 + (PartitionSpec(),)

@@ -55,6 +55,25 @@ def test_varlen_matches_single_device(P):
     assert bool(jnp.all(o[:, CU[-1]:] == 0))
 
 
+@pytest.mark.parametrize("backend,P,varlen", [("gpu", 8, False), ("gpu", 4, True), ("tpu", 2, False)])
+def test_pallas_kernel_as_the_per_shard_op(backend, P, varlen):
+    """The Pallas prefill kernels (interpreted on CPU) injected as the per-shard op."""
+    from functools import partial
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels.kda import prefill
+
+    kernel = partial(prefill.chunk_kda, backend=backend, interpret=True if backend == "gpu" else pltpu.InterpretParams())
+    B, cu = (1, jnp.array(CU, jnp.int32)) if varlen else (2, None)
+    q, k, v, g, beta = kda_inputs(20 + P, B, 128, 1, 2, 16, 16, lower_bound=-5.0)
+    h0 = random_state(P, (len(CU) - 1 if varlen else B, 2, 16, 16))
+    o_ref, S_ref = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    o, S = cp(P, kernel=kernel)(q, k, v, g, beta, init=h0, cu=cu)
+    assert_close(o, o_ref, "f32_out")
+    assert_close(S, S_ref, "f32_state")
+
+
 def _collective_shapes(hlo: str, op: str):
     return sorted(re.findall(rf"= (\S+) {op}\(", hlo))
 

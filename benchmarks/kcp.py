@@ -1,7 +1,8 @@
 """KCP scaling. With two or more GPUs: chunk_kda_cp over all of them against chunk_kda on one.
-With one GPU: the per-rank work of a two-rank run (summary of T/2 tokens, the fold, the
-per-shard prefill from the folded state) against the one-device prefill, and the exchanged
-bytes; the multi-GPU run is then still owed.
+With one GPU: the per-rank work of a two-rank run (the per-shard prefill of T/2 tokens whose
+maps, from its own token-parallel stage, go through the fold before its recurrent stage)
+against the one-device prefill, and the exchanged bytes; the multi-GPU run is then still owed.
+``--kernel pallas`` uses the Pallas prefill as the per-shard op.
 
 Run: ``PYTHONPATH=$PWD python3 benchmarks/kcp.py``. Writes ``$OUT/kcp.json``.
 """
@@ -19,8 +20,9 @@ from jax.sharding import Mesh
 from benchmarks.common import rel_rms, time_jax, write_json
 from benchmarks.kda_reference import inputs
 from k3jax.ops.kda import chunk_kda
-from k3jax.ops.segments import apply_segment, combine_segments, kda_segment_summary
+from k3jax.ops.segments import combine_segments
 from k3jax.parallel.kcp import chunk_kda_cp
+from pallas_kernels.kda import chunk_kda as pallas_chunk_kda
 
 
 def main():
@@ -28,9 +30,11 @@ def main():
     ap.add_argument("--T", type=int, nargs="+", default=[131072, 524288])
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kernel", choices=("xla", "pallas"), default="xla", help="the per-shard prefill op")
     a = ap.parse_args()
     n_dev = len(jax.devices())
-    one = jax.jit(chunk_kda)
+    kernel = pallas_chunk_kda if a.kernel == "pallas" else chunk_kda
+    one = jax.jit(kernel)
     rows = []
     for T in a.T:
         xs = [inputs(s, 1, T, a.H) for s in (1, 2)]
@@ -38,7 +42,7 @@ def main():
         o_ref, S_ref = one(*xs[0])
         # Correctness of the sharded program on the devices at hand (P = n_dev, 1 on one GPU).
         mesh = Mesh(np.array(jax.devices()), ("cp",))
-        cp = jax.jit(lambda *x: chunk_kda_cp(*x, mesh=mesh, axis_name="cp"))
+        cp = jax.jit(lambda *x: chunk_kda_cp(*x, mesh=mesh, axis_name="cp", kernel=kernel))
         o, S = cp(*xs[0])
         row["err_out_vs_one_device"] = rel_rms(o.astype(jnp.float32), o_ref.astype(jnp.float32))
         row["err_state_vs_one_device"] = rel_rms(S, S_ref)
@@ -53,10 +57,11 @@ def main():
             half = [tuple(x[:, T // 2 :] for x in x5) for x5 in xs]
 
             def rank_work(q, k, v, g, beta):
-                M, E = kda_segment_summary(k, v, g, beta)
-                maps = (jnp.stack([jnp.zeros_like(M[0]), M[0]]), jnp.stack([E[0], E[0]]))
-                _, E_incl = jax.lax.associative_scan(combine_segments, maps, axis=0)
-                return chunk_kda(q, k, v, g, beta, initial_state=apply_segment((M, E), E_incl[0][None]))
+                def fold(M, E):  # the exchange stand-in: fold rank 0's (constant) map and ours
+                    maps = (jnp.stack([jnp.zeros_like(M), M]), jnp.stack([E, E]))
+                    return jax.lax.associative_scan(combine_segments, maps, axis=0)[1][0]
+
+                return kernel(q, k, v, g, beta, initial_state_fn=fold)
 
             t_rank = time_jax(jax.jit(rank_work), half, repeats=a.repeats)
             t_half = time_jax(one, half, repeats=a.repeats)

@@ -255,6 +255,38 @@ def chunk_summary(p: ChunkPrep):
     return M, E
 
 
+def _sequence_maps(prep: ChunkPrep, lay, N):
+    """Each sequence's state map ``(M f32[N, HV, K, K], E f32[N, HV, K, V])`` from its chunks' maps:
+    a segmented associative scan (a sequence's first chunk restarts it); identity when empty."""
+    M, E = chunk_summary(prep)
+
+    def combine(a, b):
+        fa, Ma, Ea = a
+        fb, Mb, Eb = b
+        restart = fb[:, None, None, None]
+        M = jnp.where(restart, Mb, _einsum("...ij,...jk->...ik", Mb, Ma))
+        return fa | fb, M, jnp.where(restart, Eb, _einsum("...ij,...jv->...iv", Mb, Ea) + Eb)
+
+    _, M, E = jax.lax.associative_scan(combine, (lay.first, M, E))
+    has = (lay.cstart[1:] > lay.cstart[:-1])[:, None, None, None]
+    last = jnp.maximum(lay.cstart[1:] - 1, 0)
+    eye = jnp.eye(M.shape[-1], dtype=jnp.float32)
+    return jnp.where(has, M[last], eye), jnp.where(has, E[last], 0.0)
+
+
+def sequence_maps(k, v, g, beta, *, cu_seqlens=None, chunk_size: int = 64):
+    """The affine state map of every sequence (each row, or each ``cu_seqlens`` sequence):
+    ``final = M @ initial + E`` per head, from the sequence's own tokens.
+
+    Returns ``(M f32[N, HV, K, K], E f32[N, HV, K, V])``; an empty sequence gives ``(I, 0)``.
+    """
+    B, T, H, HV, K, V, N = _check_inputs(k, k, v, g, beta, None, cu_seqlens)
+    _, kf, vf, gf, bf, cu = _flatten(k, k, v, g, beta, cu_seqlens, False)
+    lay = _chunk_layout(cu, kf.shape[0], chunk_size, N, None)
+    prep = chunk_prep(None, *(_to_chunks(x, lay, chunk_size) for x in (kf, vf, gf, bf)), 1.0)
+    return _sequence_maps(prep, lay, N)
+
+
 class _ChunkLayout(NamedTuple):
     """Chunk-aligned packing of varlen sequences: every sequence starts on a chunk boundary."""
 
@@ -328,6 +360,7 @@ def chunk_kda(
     chunk_size: int = 64,
     checkpoint_stride: int | None = None,
     use_qk_l2norm: bool = False,
+    initial_state_fn=None,
 ):
     """Chunked KDA in XLA: a token-parallel stage over all chunks, then a scan over chunks.
 
@@ -335,6 +368,10 @@ def chunk_kda(
       chunk_size: 16, 32 or 64.
       checkpoint_stride: if set (a multiple of ``chunk_size``, e.g. 512), also return the state
         after every ``checkpoint_stride`` tokens of each sequence (counted from its start).
+      initial_state_fn: if set, called once with every sequence's own state map
+        ``(M [N, HV, K, K], E [N, HV, K, V])`` (as :func:`sequence_maps`) and returning the
+        initial states ``[N, HV, K, V]`` to run from (``initial_state`` is then ignored). Context
+        parallelism exchanges and folds the maps there, so the token-parallel stage runs once.
     Returns:
       ``(o, final_state)``, or ``(o, final_state, checkpoints)`` when ``checkpoint_stride`` is set;
       ``checkpoints: f32[N, L // stride, HV, K, V]`` with ``L`` the longest possible sequence
@@ -354,6 +391,8 @@ def chunk_kda(
     lay = _chunk_layout(cu, TT, C, N, checkpoint_stride)
     prep = chunk_prep(*(_to_chunks(x, lay, C) for x in (qf, kf, vf, gf, bf)), scale)
     init = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    if initial_state_fn is not None:
+        init = initial_state_fn(*_sequence_maps(prep, lay, N)).astype(jnp.float32)
     n_ckpt = 0 if checkpoint_stride is None else T // checkpoint_stride
     ckpts = jnp.zeros((N, max(n_ckpt, 1), HV, K, V), jnp.float32)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda import _check_inputs, _chunk_layout, _einsum, _flatten, _to_chunks, chunk_kda, chunk_prep, chunk_summary
+from k3jax.ops.kda import _check_inputs, _einsum, chunk_kda, sequence_maps
 
 
 def kda_segment_summary(k, v, g, beta, *, chunk_size: int = 64):
@@ -23,16 +23,7 @@ def kda_segment_summary(k, v, g, beta, *, chunk_size: int = 64):
     Returns:
       ``(M f32[B, HV, K, K], E f32[B, HV, K, V])`` with ``final = M @ initial + E`` per head.
     """
-    B, T, H, HV, K, V, N = _check_inputs(k, k, v, g, beta, None, None)
-    C = chunk_size
-    _, kf, vf, gf, bf, cu = _flatten(k, k, v, g, beta, None, False)
-    lay = _chunk_layout(cu, B * T, C, N, None)
-    nch = -(-T // C)
-    prep = chunk_prep(None, *(_to_chunks(x, lay, C)[: B * nch] for x in (kf, vf, gf, bf)), 1.0)
-    M, E = chunk_summary(prep)
-    M, E = M.reshape(B, nch, HV, K, K), E.reshape(B, nch, HV, K, V)
-    M, E = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
-    return M[:, -1], E[:, -1]
+    return sequence_maps(k, v, g, beta, chunk_size=chunk_size)
 
 
 def combine_segments(first, second):

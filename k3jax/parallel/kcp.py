@@ -4,7 +4,10 @@ Each rank summarises the part of its shard that flows into the next rank as an a
 ``S -> M S + E`` (``M [HV, K, K]``, ``E [HV, K, V]``, computed from its own tokens only), one
 all-gather exchanges those maps (a fixed size, independent of tokens per rank), and every rank
 folds the earlier ranks' maps with an exclusive associative scan in float32 to get the true
-state entering its shard. Then it runs the per-shard prefill op from that state.
+state entering its shard. Then it runs the per-shard prefill op from that state. The exchange
+happens inside the per-shard op, through its ``initial_state_fn``: between its token-parallel
+stage, which also yields the maps, and its recurrent stage, so the token-parallel work is done
+once per rank.
 
 Varlen: only the sequence that crosses into a rank continues from the fold. A rank whose last
 sequence starts inside it contributes a constant map ``(0, M init + E)``, so the fold needs no
@@ -21,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from k3jax.ops.conv import short_conv
 from k3jax.ops.kda import _check_inputs, chunk_kda
-from k3jax.ops.segments import apply_segment, combine_segments, kda_segment_summary
+from k3jax.ops.segments import apply_segment, combine_segments
 
 
 def _rank_geometry(cu, lo, L, N):
@@ -37,22 +40,6 @@ def _rank_geometry(cu, lo, L, N):
     ends = cu[1:]
     owner = jnp.where(ends > cu[:-1], (ends - 1) // L, 0)
     return local_cu, c, crosses, owner
-
-
-def _tail_map(k, v, g, beta, cu, lo, L, N, init, chunk_size):
-    """The map of the shard's last sequence piece, constant if that sequence starts in the shard."""
-    j = jnp.minimum(jnp.searchsorted(cu, lo + L - 1, side="right").astype(jnp.int32) - 1, N - 1)
-    start = jnp.clip(cu[j] - lo, 0, L)
-    keep = (jnp.arange(L) >= start)[None, :]
-    # Zero k, g, beta before the piece: zero tokens are the identity map.
-    km = jnp.where(keep[..., None, None], k, jnp.zeros((), k.dtype))
-    gm = jnp.where(keep[..., None, None], g, jnp.zeros((), g.dtype))
-    bm = jnp.where(keep[..., None], beta, jnp.zeros((), beta.dtype))
-    M, E = kda_segment_summary(km, v, gm, bm, chunk_size=chunk_size)
-    starts_here = cu[j] >= lo
-    E = jnp.where(starts_here, apply_segment((M, E), init[j][None]), E)
-    M = jnp.where(starts_here, jnp.zeros_like(M), M)
-    return M[0], E[0]
 
 
 def chunk_kda_cp(
@@ -78,8 +65,9 @@ def chunk_kda_cp(
         (sharded or not); ``T`` must be divisible by the axis size.
       mesh, axis_name: the mesh and the axis to shard T over; other mesh axes pass through.
       scale, initial_state, cu_seqlens, chunk_size: as in ``chunk_kda``.
-      kernel: the per-shard prefill op with ``chunk_kda``'s signature (default: the XLA path;
-        pass ``pallas_kernels.kda.chunk_kda`` where it exists).
+      kernel: the per-shard prefill op with ``chunk_kda``'s signature including
+        ``initial_state_fn`` (default: the XLA path; pass ``pallas_kernels.kda.chunk_kda`` where
+        it exists). Each rank's maps come from the op's own token-parallel stage.
       fold_dtype: dtype of the exchanged maps and the fold; float32. Anything else is only a
         negative control for tests (a bf16 M chain visibly loses accuracy).
     Returns:
@@ -93,39 +81,49 @@ def chunk_kda_cp(
     kernel = chunk_kda if kernel is None else kernel
     init = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
+    def fold(M, E):
+        """The state entering this rank from every rank's constant-or-not map (one all-gather)."""
+        Ms, Es = jax.lax.all_gather((M.astype(fold_dtype), E.astype(fold_dtype)), axis_name)  # [P, ...]
+        _, E_incl = jax.lax.associative_scan(combine_segments, (Ms, Es), axis=0)
+        # Rank 0's map is constant, so the inclusive fold's E is the state leaving each rank.
+        return E_incl[jnp.maximum(jax.lax.axis_index(axis_name) - 1, 0)].astype(jnp.float32)
+
     def shard_seq(q, k, v, g, beta, cu, init):
         """One packed row on one rank: q [1, L, H, K], cu i32[n + 1] global, init [n, HV, K, V]."""
         n = cu.shape[0] - 1
-        lo = jax.lax.axis_index(axis_name) * L
-        tail = _tail_map(k, v, g, beta, cu, lo, L, n, init, chunk_size)
-        Ms, Es = jax.lax.all_gather(tuple(x.astype(fold_dtype) for x in tail), axis_name)  # [P, HV, K, *]
-        _, E_incl = jax.lax.associative_scan(combine_segments, (Ms, Es), axis=0)
-        # Rank 0's map is constant, so the inclusive fold's E is the state leaving each rank.
         r = jax.lax.axis_index(axis_name)
-        s_in = E_incl[jnp.maximum(r - 1, 0)].astype(jnp.float32)
+        lo = r * L
         local_cu, c, crosses, owner = _rank_geometry(cu, lo, L, n)
-        local_init = init.at[c].set(jnp.where(crosses, s_in, init[c]))
-        o, fin = kernel(q, k, v, g, beta, scale=scale, initial_state=local_init, cu_seqlens=local_cu,
-                        chunk_size=chunk_size)
+        j = jnp.minimum(jnp.searchsorted(cu, lo + L - 1, side="right").astype(jnp.int32) - 1, n - 1)
+
+        def initial_states(M, E):  # M, E: every sequence's map over its tokens on this rank
+            # The shard's last sequence flows into the next rank; if it starts here its map is constant.
+            starts_here = cu[j] >= lo
+            E_j = jnp.where(starts_here, apply_segment((M[j], E[j]), init[j]), E[j])
+            s_in = fold(jnp.where(starts_here, 0.0, M[j]), E_j)
+            return init.at[c].set(jnp.where(crosses, s_in, init[c]))
+
+        o, fin = kernel(q, k, v, g, beta, scale=scale, cu_seqlens=local_cu, chunk_size=chunk_size,
+                        initial_state_fn=initial_states)
         fin = jax.lax.psum(jnp.where((owner == r)[:, None, None, None], fin, 0.0), axis_name)
         return o, fin
 
     if cu_seqlens is None:
-        # Every row is one sequence spanning all ranks. The rank's B row pieces are summarised
-        # together, exchanged in one all-gather, and run as one packed varlen kernel call.
+        # Every row is one sequence spanning all ranks: the rank's B row pieces run as one packed
+        # varlen call, and their maps travel in one all-gather.
         def shard_fn(q, k, v, g, beta, init):
             Bl = q.shape[0]
             r = jax.lax.axis_index(axis_name)
             first = r == 0
-            M, E = kda_segment_summary(k, v, g, beta, chunk_size=chunk_size)  # [B, HV, K, *]
-            E = jnp.where(first, apply_segment((M, E), init), E)  # rank 0's map is constant
-            M = jnp.where(first, jnp.zeros_like(M), M)
-            Ms, Es = jax.lax.all_gather((M.astype(fold_dtype), E.astype(fold_dtype)), axis_name)  # [P, B, ...]
-            _, E_incl = jax.lax.associative_scan(combine_segments, (Ms, Es), axis=0)
-            s_in = jnp.where(first, init, E_incl[jnp.maximum(r - 1, 0)].astype(jnp.float32))
+
+            def initial_states(M, E):
+                s_in = fold(jnp.where(first, 0.0, M), jnp.where(first, apply_segment((M, E), init), E))
+                return jnp.where(first, init, s_in)
+
             pack = lambda x: x.reshape(1, Bl * L, *x.shape[2:])
-            o, fin = kernel(pack(q), pack(k), pack(v), pack(g), pack(beta), scale=scale, initial_state=s_in,
-                            cu_seqlens=jnp.arange(Bl + 1, dtype=jnp.int32) * L, chunk_size=chunk_size)
+            o, fin = kernel(pack(q), pack(k), pack(v), pack(g), pack(beta), scale=scale,
+                            cu_seqlens=jnp.arange(Bl + 1, dtype=jnp.int32) * L, chunk_size=chunk_size,
+                            initial_state_fn=initial_states)
             fin = jax.lax.psum(jnp.where(r == P - 1, fin, 0.0), axis_name)
             return o.reshape(Bl, L, *o.shape[2:]), fin
 

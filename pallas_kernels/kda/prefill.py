@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm
-from k3jax.ops.segments import segment_initial_states
+from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
+from k3jax.ops.segments import combine_segments, segment_initial_states
 from pallas_kernels.kda import prefill_gpu, prefill_tpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, prep_body_vec, prep_call
 
@@ -65,7 +65,7 @@ def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
-    prep_num_warps: int = 8, scan_precision=None,
+    prep_num_warps: int = 8, scan_precision=None, initial_state_fn=None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -80,6 +80,9 @@ def chunk_kda(
       prep_num_warps: GPU warps per token-parallel program.
       scan_precision: GPU matmul precision of the recurrent and output stages; None: single-pass TF32 for
         bf16/f16 inputs (their outputs round to 8 bits anyway), TF32x3 for float32 inputs.
+      initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
+        initial states out). GPU: the maps come from the segment summary pass over this call's
+        token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
     """
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
@@ -99,6 +102,9 @@ def chunk_kda(
     C = chunk_size
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
+    init = jnp.zeros((N, HV, K, V), _F32) if initial_state is None else initial_state.astype(_F32)
+    if initial_state_fn is not None and kind == "tpu":
+        init = initial_state_fn(*sequence_maps(k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=C)).astype(_F32)
     TT = B * T
     flat = lambda x: x.reshape(TT, *x.shape[2:])
     q, k, v, g, beta = flat(q), flat(k), flat(v), flat(g.astype(_F32)), flat(beta)[..., None]
@@ -111,7 +117,6 @@ def chunk_kda(
         q, k, v, g, beta = (jnp.where(ok.reshape(-1, 1, 1), x[lay.src], 0).astype(x.dtype) for x in (q, k, v, g, beta))
     lens, cstart = lay.lens, lay.cstart
     nch = cstart[1:] - cstart[:-1]
-    init = jnp.zeros((N, HV, K, V), _F32) if initial_state is None else initial_state.astype(_F32)
     n_ck = 0 if checkpoint_stride is None else T // checkpoint_stride
     ci = lay.ckpt[:NC]
     seq = lay.chunk_seq[:NC]
@@ -133,10 +138,13 @@ def chunk_kda(
                   precision=scan_precision, interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
-        if P > 1:
+        if P > 1 or initial_state_fn is not None:
             ME = prefill_gpu.scan_call(prep, None, vstart, vend, ck_slot, summary=True, **kw)
-            ME = ME.reshape(N, P, HV, K, K + V)
-            starts = segment_initial_states((ME[..., :K], ME[..., K:]), init).reshape(N * P, HV, K, V)
+            maps = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
+            if initial_state_fn is not None:
+                M, E = jax.lax.associative_scan(combine_segments, maps, axis=1)
+                init = initial_state_fn(M[:, -1], E[:, -1]).astype(_F32)
+            starts = segment_initial_states(maps, init).reshape(N * P, HV, K, V)
         hs, v_new, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, **kw)
         o = prefill_gpu.out_call(prep, hs, v_new, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps,
                                  precision=scan_precision, interpret=interpret)

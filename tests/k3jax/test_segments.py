@@ -53,3 +53,24 @@ def test_segmented_prefill_matches_recurrent(P):
     o, S = segments.chunk_kda_segmented(q, k, v, g, beta, num_segments=P, initial_state=h0, chunk_size=32)
     assert_close(o, o_ref, "f32_out")
     assert_close(S, S_ref, "f32_state")
+
+
+def test_sequence_maps_varlen_and_the_initial_state_hook():
+    """``sequence_maps`` per packed sequence (one empty, one shorter than a chunk, NaN padding)
+    reproduces each final state; ``chunk_kda(initial_state_fn=...)`` hands the maps over and runs
+    from the states it returns (here: each sequence's own state after one pass from h0)."""
+    import jax.numpy as jnp
+
+    T, cu = 100, jnp.array([0, 37, 37, 45, 90], jnp.int32)
+    q, k, v, g, beta = (x.at[:, 90:].set(jnp.nan) for x in kda_inputs(9, 1, T, 1, 2, 16, 8, lower_bound=-5.0))
+    h0 = random_state(9, (4, 2, 16, 8))
+    _, S1 = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    maps = kda.sequence_maps(k, v, g, beta, cu_seqlens=cu, chunk_size=16)
+    assert_close(segments.apply_segment(maps, h0), S1, "f32_state")
+    seen = []
+    hook = lambda M, E: seen.append(M.shape) or segments.apply_segment((M, E), h0)
+    o, S2 = kda.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16, initial_state_fn=hook)
+    o_ref, S2_ref = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=S1, cu_seqlens=cu)
+    assert seen == [(4, 2, 16, 16)]
+    assert_close(o[:, :90], o_ref[:, :90], "f32_out")
+    assert_close(S2, S2_ref, "f32_state")

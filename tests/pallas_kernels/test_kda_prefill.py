@@ -69,6 +69,23 @@ def test_varlen_segments_and_padding(run):
         assert_close(ck, ck_r, "f32_state")
 
 
+def test_initial_state_hook(run):
+    """``initial_state_fn`` gets each sequence's own map (GPU: from the segment summary pass,
+    here with 3 segments) and the kernel runs from the states it returns: each sequence's
+    state after one pass from h0."""
+    T, cu = 96, jnp.array([0, 40, 40, 96], jnp.int32)
+    q, k, v, g, beta = kda_inputs(6, 1, T, 1, 2, 32, 32, lower_bound=-5.0)
+    h0 = random_state(6, (3, 2, 32, 32))
+    _, S1 = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    hook = lambda M, E: jnp.einsum("nhij,nhjv->nhiv", M, h0, precision="highest") + E
+    P = 3 if run["backend"] != "tpu" else None
+    o, S2 = prefill.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16, num_segments=P, initial_state_fn=hook,
+                              **run)
+    o_ref, S2_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=S1, cu_seqlens=cu)
+    assert_close(o, o_ref, "f32_out")
+    assert_close(S2, S2_ref, "f32_state")
+
+
 def test_no_future_leakage_at_the_gate_bound(run):
     """Gates at the K3 bound (-5 per token, 320 nats per 64-token chunk): exact against the
     recurrence, and perturbing tokens after t0 (inside t0's 16-token sub-chunk) leaves every

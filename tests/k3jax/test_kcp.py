@@ -74,6 +74,24 @@ def test_pallas_kernel_as_the_per_shard_op(backend, P, varlen):
     assert_close(S, S_ref, "f32_state")
 
 
+def test_other_mesh_axes_pass_through():
+    """A 2 x 4 mesh: T over "cp" while batch (dense) or heads (varlen) are sharded over "x"."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "cp"))
+    put = lambda xs, spec: [jax.device_put(a, NamedSharding(mesh, spec)) for a in xs]
+    for cu, spec in ((None, PartitionSpec("x", "cp")), (jnp.array(CU, jnp.int32), PartitionSpec(None, "cp", "x"))):
+        B, N = (2, 2) if cu is None else (1, len(CU) - 1)
+        x = kda_inputs(30, B, 128, 2, 2, 16, 16, lower_bound=-5.0)
+        h0 = random_state(30, (N, 2, 16, 16))
+        f = jax.jit(lambda *x: chunk_kda_cp(*x, mesh=mesh, axis_name="cp", initial_state=h0, cu_seqlens=cu,
+                                            chunk_size=16))
+        o, S = f(*put(x, spec))
+        o_ref, S_ref = kda.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
+        assert_close(o, o_ref, "f32_out")
+        assert_close(S, S_ref, "f32_state")
+
+
 def _collective_shapes(hlo: str, op: str):
     return sorted(re.findall(rf"= (\S+) {op}\(", hlo))
 

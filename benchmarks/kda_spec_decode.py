@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import statistics
 import time
 
@@ -99,7 +100,8 @@ def main():
     ap.add_argument("--heads", default="12,32,96")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--skip-decode", action="store_true", help="skip the decode-step comparison with fla")
-    ap.add_argument("--tune", action="store_true", help="sweep the GPU kernel's block_v / num_warps and exit")
+    ap.add_argument("--tune", action="store_true",
+                    help="sweep the GPU kernel's state layout / block_v / num_warps and exit")
     a = ap.parse_args()
     if a.tune:
         return tune(a.repeats)
@@ -163,7 +165,7 @@ def main():
 
 
 def tune(repeats, H=32, B=256, T=8):
-    """Commit and verify latency of the GPU kernel per (block_v, num_warps) at one shape."""
+    """Commit and verify latency of the GPU kernel per (state layout, block_v, num_warps) at one shape."""
     from pallas_kernels.kda import decode_gpu
     from pallas_kernels.kda._window import COMMIT, VERIFY
 
@@ -171,14 +173,15 @@ def tune(repeats, H=32, B=256, T=8):
     slots = jnp.asarray(np.random.default_rng(0).permutation(2 * B)[:B].astype(np.int32))
     n = jnp.full((B,), T // 2, jnp.int32)
     pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
-    for bv, nw in [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (64, 16), (128, 8), (128, 16)]:
-        opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw)
+    configs = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (64, 16), (128, 8), (128, 16)]
+    for layout, (bv, nw) in itertools.product(("kv", "vk"), configs):
+        opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw, state_layout=layout)
         commit = jax.jit(lambda p, s, n, k, v, g, b: (decode_gpu.window_call(p, s, n, None, k, v, g, b, mode=COMMIT, **opts)[2],),
                          donate_argnums=(0,))
         verify = jax.jit(lambda p, s, n, q, k, v, g, b: (decode_gpu.window_call(p, s, n, q, k, v, g, b, mode=VERIFY, **opts)[0], p))
         t_commit, pool = time_threaded(commit, pool, [(slots, n, k, v, g, beta)], repeats=repeats)
         t_verify, pool = time_threaded(verify, pool, [(slots, n, q, k, v, g, beta)], repeats=repeats)
-        print(f"block_v={bv:>3} num_warps={nw:>2}  commit {t_commit * 1e6:7.0f} us  verify {t_verify * 1e6:7.0f} us", flush=True)
+        print(f"layout={layout} block_v={bv:>3} num_warps={nw:>2}  commit {t_commit * 1e6:7.0f} us  verify {t_verify * 1e6:7.0f} us", flush=True)
 
 
 def decode_vs_fla(heads, batches, repeats):

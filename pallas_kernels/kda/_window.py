@@ -58,3 +58,16 @@ def delta_update(S, k_col, v_row, g_col, b):
 def readout(S, q_col, scale):
     """``o = scale * q^T S`` as a row ``[1, V]``."""
     return jnp.sum(q_col * S, axis=0, keepdims=True) * scale
+
+
+def delta_update_vk(S, k_row, v_col, g_row, b):
+    """:func:`delta_update` on the transposed state ``S^T f32[V, K]``: the reductions run along
+    the fast (last) axis. k, g: rows ``[1, K]``; v: a column ``[V, 1]``."""
+    S = S * jnp.exp(g_row)
+    u = b * (v_col - jnp.sum(S * k_row, axis=1, keepdims=True))
+    return S + u * k_row
+
+
+def readout_vk(S, q_row, scale):
+    """:func:`readout` on the transposed state; returns a row ``[1, V]``."""
+    return (jnp.sum(S * q_row, axis=1, keepdims=True) * scale).T

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._window import Mode, delta_update, readout, split_refs
+from pallas_kernels.kda._window import Mode, delta_update, delta_update_vk, readout, readout_vk, split_refs
 
 _F32 = jnp.float32
 
 
-def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, scale: float, num_slots: int, BV: int):
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, scale: float, num_slots: int, BV: int,
+            vk: bool):
     (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, snap_ref, pool_out_ref), _ = split_refs(refs, mode)
 
     b, h = pl.program_id(0), pl.program_id(1)
@@ -31,32 +32,38 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, 
     valid = (slot >= 0) & (slot < num_slots)
     n = n_ref[b]
 
+    v_at = (lambda v_ref, t: v_ref[b, t, h, cols, :]) if vk else (lambda v_ref, t: v_ref[b, t, h, :, cols])
+    state = (lambda S: S.T) if vk else (lambda S: S)  # [K, BV] <-> the registers' layout
+
     def step(S, refs, t):
         k_ref, v_ref, g_ref, beta_ref = refs
-        return delta_update(
+        return (delta_update_vk if vk else delta_update)(
             S,
             k_ref[b, t, hq].astype(_F32),
-            v_ref[b, t, h, :, cols].astype(_F32),
+            v_at(v_ref, t).astype(_F32),
             g_ref[b, t, h].astype(_F32),
             beta_ref[b, t, h].astype(_F32),
         )
 
+    def out(S, t):
+        return (readout_vk if vk else readout)(S, q_ref[b, t, hq].astype(_F32), scale)
+
     @pl.when(valid)
     def _():
-        S = pool_ref[slot, h, :, cols]
+        S = state(pool_ref[slot, h, :, cols])
         if mode.replay_first:
             for t in range(T_prev):
                 S = jnp.where(t < n, step(S, prev_refs, t), S)
-            pool_out_ref[slot, h, :, cols] = S
+            pool_out_ref[slot, h, :, cols] = state(S)
         for t in range(T):
             S_next = step(S, (k_ref, v_ref, g_ref, beta_ref), t)
             S = jnp.where(t < n, S_next, S) if mode.per_row_n and not mode.replay_first else S_next
             if mode.readout:
-                o_ref[b, t, h, :, cols] = readout(S, q_ref[b, t, hq].astype(_F32), scale).astype(o_ref.dtype)
+                o_ref[b, t, h, :, cols] = out(S, t).astype(o_ref.dtype)
             if mode.snapshot:
-                snap_ref[b, t, h, :, cols] = S
+                snap_ref[b, t, h, :, cols] = state(S)
         if mode.write_state and not mode.replay_first:
-            pool_out_ref[slot, h, :, cols] = S
+            pool_out_ref[slot, h, :, cols] = state(S)
 
     @pl.when(jnp.logical_not(valid))
     def _():
@@ -69,9 +76,17 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, 
 
 def window_call(
     pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, prev=None, block_v=64,
-    num_warps=8,
+    num_warps=8, state_layout="kv",
 ):
-    """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per program."""
+    """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per program.
+
+    ``state_layout``: "kv" keeps ``f32[K, BV]`` in registers (the per-token reductions over K run
+    across the slow axis); "vk" keeps its transpose, so they run along the fast axis (a
+    candidate for fewer cross-warp reductions; see docs/benchmarks.md before changing the default).
+    """
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    vk = state_layout == "vk"
     num_slots, HV, K, V = pool.shape
     BV = min(block_v, V)
     if V % BV:
@@ -79,6 +94,8 @@ def window_call(
     B, T, H, _ = k.shape
     col = lambda x: x[..., None]  # [B, T, heads, K, 1]
     row = lambda x: x[..., None, :]  # [B, T, HV, 1, V]
+    if vk:
+        col, row = row, col
     window = lambda k, v, g, beta: [col(k), row(v), col(g), beta[..., None, None]]
     inputs = (window(*prev) if mode.replay_first else []) + ([col(q)] if mode.readout else []) + window(k, v, g, beta) + [pool]
     out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
@@ -97,7 +114,8 @@ def window_call(
 
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     T_prev = prev[0].shape[1] if mode.replay_first else 0
-    kernel = functools.partial(_kernel, mode=mode, T=T, T_prev=T_prev, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV)
+    kernel = functools.partial(_kernel, mode=mode, T=T, T_prev=T_prev, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV,
+                               vk=vk)
     outs = pl.pallas_call(
         kernel,
         grid=(B, HV, V // BV),

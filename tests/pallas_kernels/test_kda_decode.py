@@ -121,6 +121,39 @@ def test_snapshot_baseline_matches_replay(run):
     np.testing.assert_allclose(np.asarray(by_snapshot), np.asarray(by_replay), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY"])
+def test_gpu_transposed_state_layout(mode):
+    """The GPU kernel with the state transposed in registers ("vk") against the references
+    (interpreted): outputs, snapshots, committed states, untouched slots."""
+    from pallas_kernels.kda import _window, decode_gpu
+
+    m = getattr(_window, mode)
+    B, T, H, HV, K, V = 3, 4, 1, 2, 16, 32
+    q, k, v, g, beta = kda_inputs(40, B, T, H, HV, K, V)
+    prev = kda_inputs(41, B, T, H, HV, K, V)[1:]
+    pool = _pool(40, 5, HV, K, V)
+    slots = np.array([4, -1, 1], np.int32)
+    n = np.array([2, 3, 4], np.int32)
+    o, snaps, new = decode_gpu.window_call(pool, jnp.asarray(slots), jnp.asarray(n), q, k, v, g, beta, mode=m,
+                                           scale=K**-0.5, interpret=True, prev=prev if m.replay_first else None,
+                                           block_v=16, state_layout="vk")
+    live = slots >= 0
+    S0 = _rows(pool, slots)
+    if m.replay_first:
+        S0 = ref.kda_commit(S0, *prev, jnp.asarray(n))
+    if m.readout:
+        assert_close(o[live], ref.kda_verify(S0, q, k, v, g, beta)[live], "f32_out")
+        assert not np.any(np.asarray(o[~live]))
+    if m.snapshot:
+        _, states = ref._window_states(S0, q, k, v, g, beta, None)
+        assert_close(snaps[live], states[live], "f32_state")
+    if m.write_state:
+        want = S0 if m.replay_first else ref.kda_commit(S0, k, v, g, beta, jnp.asarray(n))
+        assert_close(new[slots[live]], want[live], "f32_state")
+        untouched = np.setdiff1d(np.arange(5), slots[live])
+        np.testing.assert_array_equal(np.asarray(new[untouched]), np.asarray(pool[untouched]))
+
+
 _decode_ref = jax.jit(ref.kda_decode_step)
 
 

@@ -12,8 +12,11 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   qg = scale q exp G, kd^T = (k exp(G_C - G))^T, decay = exp(G_C) as a column.
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
-Stage 2, ``chunk_step`` (the recurrence, one chunk): with S [K, BV] float32,
-  V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new.
+  ``prep_body_vec`` (the GPU body) computes the same without serial row picks: diagonal
+  blocks as a broadcast reduced over K, inverses by block doubling (``_merge_inverse``).
+Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
+  V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels split
+  it: the loop carries S only, the outputs come from a parallel kernel (``prefill_gpu``).
 """
 
 from __future__ import annotations

@@ -66,6 +66,13 @@ def hw_fraction(seconds: float, bytes_moved: float, flops: float) -> dict:
     return {"limit_s": max(t_bw, t_fl), "bound": bound, "fraction_of_limit": max(t_bw, t_fl) / seconds}
 
 
+def kda_prefill_hw(seconds: float, tokens_x_heads: int) -> dict:
+    """:func:`hw_fraction` of a bf16 chunked KDA prefill with K = V = 128 and 64-token chunks:
+    q, k, v, o in bf16, g in f32, beta, per token and head."""
+    bytes_moved = tokens_x_heads * (4 * 128 * 2 + 128 * 4 + 2)
+    return hw_fraction(seconds, bytes_moved, tokens_x_heads * kda_flops_per_token_head(64, 128, 128))
+
+
 def write_json(rows, name: str):
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)

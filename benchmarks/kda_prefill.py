@@ -15,7 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import hw_fraction, kda_flops_per_token_head, rel_rms, time_jax, time_torch, to_torch, write_json
+from benchmarks.common import kda_prefill_hw, rel_rms, time_jax, time_torch, to_torch, write_json
 from benchmarks.kda_reference import inputs
 from k3jax.ops.kda import naive_recurrent_kda
 from pallas_kernels.kda import prefill
@@ -77,9 +77,7 @@ def main():
                 row["status"] = "MISMATCH: speed not reported"
             else:
                 t = time_jax(ours, xs, repeats=a.repeats)
-                tokens = B * T * H
-                bytes_moved = tokens * (4 * 128 * 2 + 128 * 4 + 2)  # q, k, v, o bf16; g f32; beta
-                hw = hw_fraction(t, bytes_moved, tokens * kda_flops_per_token_head(64, 128, 128))
+                hw = kda_prefill_hw(t, B * T * H)
                 row.update(ms_ours=t * 1e3, ms_stage1=t_prep[pw] * 1e3, ours_over_fla=t / t_fla,
                            fraction_of_limit=hw["fraction_of_limit"], fla_fraction_of_limit=hw["limit_s"] / t_fla,
                            bound=hw["bound"], status="ok")

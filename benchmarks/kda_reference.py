@@ -14,7 +14,7 @@ import datetime
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import hw_fraction, kda_flops_per_token_head, rel_rms, time_jax, time_torch, to_torch, write_json
+from benchmarks.common import kda_prefill_hw, rel_rms, time_jax, time_torch, to_torch, write_json
 from k3jax.ops.kda import chunk_kda, kda_gate, l2norm, naive_recurrent_kda
 
 SHAPES = [(1, 8192, 32), (1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32)]
@@ -61,9 +61,7 @@ def main():
         else:
             t_ours = time_jax(ours, xs, repeats=a.repeats)
             t_fla = time_torch(theirs, [tuple(to_torch(x) for x in x3) for x3 in xs], repeats=a.repeats)
-            tokens = B * T * H
-            bytes_moved = tokens * (4 * 128 * 2 + 128 * 4 + 2)  # q, k, v, o bf16; g f32; beta
-            hw = hw_fraction(t_ours, bytes_moved, tokens * kda_flops_per_token_head(64, 128, 128))
+            hw = kda_prefill_hw(t_ours, B * T * H)
             row.update(ms_xla=t_ours * 1e3, ms_fla=t_fla * 1e3, xla_over_fla=t_ours / t_fla,
                        xla_fraction_of_limit=hw["fraction_of_limit"], fla_fraction_of_limit=hw["limit_s"] / t_fla,
                        bound=hw["bound"], status="ok")

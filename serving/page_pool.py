@@ -204,15 +204,11 @@ class PagePool:
 
     def read_f32(self, page: int, shape) -> jax.Array:
         """Read the first ``prod(shape)`` words of a written page as ``f32[shape]``."""
-        return self.read_f32_pages([page], shape)[0]
+        return _read_f32(self._storage(), jnp.asarray(self.page_ids([page])), tuple(shape))[0]
 
     def page_ids(self, pages) -> np.ndarray:
         """Checked ids of written pages, for device functions that read ``self.words`` directly."""
         return np.asarray([self._readable(p) for p in pages], np.int32)
-
-    def read_f32_pages(self, pages, shape) -> jax.Array:
-        """Read several written pages in one gather: ``f32[len(pages), *shape]``."""
-        return _read_f32(self._storage(), jnp.asarray(self.page_ids(pages)), tuple(shape))
 
     def write_kda_state(self, page: int, state: jax.Array):
         """Write ``f32[HV, layers, K, V]`` (head-contiguous) into a KDA page."""

@@ -65,6 +65,20 @@ def _unit_lower_inverse(D):
     return jax.lax.fori_loop(0, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(_F32))
 
 
+def _gates(g_ref, k_ref, kdT_ref, decay_ref):
+    """The chunk's gate cumsum (a HIGHEST-precision matmul with a triangular ones matrix); writes
+    ``kd^T = (k exp(G_C - G))^T`` and ``decay = exp(G_C)``. Returns float32 ``g, k, G``."""
+    C = k_ref.shape[0]
+    g = g_ref[...].astype(_F32)
+    k = k_ref[...].astype(_F32)
+    G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
+    GT = G.T
+    GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
+    decay_ref[...] = jnp.exp(GlastT)
+    kdT_ref[...] = k.T * jnp.exp(GlastT - GT)
+    return g, k, G
+
+
 def prep_body(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale,
               precision=_HI):
     """Stage 1 on one chunk of one value head. Inputs ``[C, K]``/``[C, V]``, beta ``[C, 1]``.
@@ -76,13 +90,7 @@ def prep_body(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_re
     dot = partial(_dot, precision=precision)
     C, K = k_ref.shape
     V = v_ref.shape[1]
-    g = g_ref[...].astype(_F32)
-    k = k_ref[...].astype(_F32)
-    G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
-    GT = G.T
-    GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
-    decay_ref[...] = jnp.exp(GlastT)
-    kdT_ref[...] = k.T * jnp.exp(GlastT - GT)
+    g, k, G = _gates(g_ref, k_ref, kdT_ref, decay_ref)
     r16 = _iota((SUB, 1), 0)
     lane = _iota((1, C), 1)
 
@@ -158,13 +166,7 @@ def prep_body_vec(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, 
     dot = partial(_dot, precision=precision)
     C, K = k_ref.shape
     kp = min(k_piece, K)
-    g = g_ref[...].astype(_F32)
-    k = k_ref[...].astype(_F32)
-    G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
-    GT = G.T
-    GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
-    decay_ref[...] = jnp.exp(GlastT)
-    kdT_ref[...] = k.T * jnp.exp(GlastT - GT)
+    g, k, G = _gates(g_ref, k_ref, kdT_ref, decay_ref)
     row = _iota((C, 1), 0)
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
     causal = (r16 >= c16)[:, :, None]

@@ -12,7 +12,6 @@ write (or its sequence's spare slot), so a block is only written back after the 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 

@@ -36,6 +36,7 @@ def main():
     kernel = pallas_chunk_kda if a.kernel == "pallas" else chunk_kda
     one = jax.jit(kernel)
     rows = []
+    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "n_devices": n_dev}
     for T in a.T:
         xs = [inputs(s, 1, T, a.H) for s in (1, 2)]
         row = {"T": T, "H": a.H, "devices": n_dev}
@@ -72,8 +73,7 @@ def main():
                        note="one GPU: two-GPU run still owed")
         rows.append(row)
         print(row, flush=True)
-    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "n_devices": n_dev}
-    write_json({"meta": meta, "rows": rows}, "kcp.json")
+        write_json({"meta": meta, "rows": rows}, "kcp.json")  # after every row: a later shape may run out of memory
 
 
 if __name__ == "__main__":

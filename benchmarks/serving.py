@@ -56,11 +56,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
+    ap.add_argument("--kernels", choices=("xla", "pallas"), default="pallas",
                     help="chunked KDA prefill: the XLA path or pallas_kernels.kda.chunk_kda")
     a = ap.parse_args()
     cfg, params = mid_model()
-    kernels = Kernels(chunk_kda=chunk_kda) if a.kernels == "pallas" else None
+    kernels = Kernels(chunk_kda=chunk_kda) if a.kernels == "pallas" else Kernels()
     kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256, kernels=kernels)
     rows = {}
     for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})):

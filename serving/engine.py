@@ -27,11 +27,22 @@ import numpy as np
 
 from k3jax.model import (Kernels, ModelCache, ModelConfig, commit_window, forward, init_cache, init_params,
                          load_hf_checkpoint)
+from pallas_kernels.kda import chunk_kda as pallas_chunk_kda
 from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
 from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
 
 log = logging.getLogger("k3jax.engine")
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def default_kernels(cfg: ModelConfig, backend: str | None = None) -> Kernels:
+    """The device ops used when none are given: on a GPU the Pallas chunked prefill (measured
+    faster end to end on the H200, docs/benchmarks.md) when the KDA head size suits its
+    kernels (a power of two >= 16); the XLA paths elsewhere (TPU: not yet measured)."""
+    d = cfg.linear_head_dim
+    if (backend or jax.default_backend()) == "gpu" and d >= 16 and d & (d - 1) == 0:
+        return Kernels(chunk_kda=pallas_chunk_kda)
+    return Kernels()
 
 
 class RequestError(ValueError):
@@ -109,7 +120,8 @@ class Engine:
       max_slots: requests decoded together; max_len: tokens per request (prompt + output).
       prefill_chunk: prefill token budget per step.
       prefix_cache: enable the prefix cache; cache_pages: pool pages backing it.
-      hash_tokens: prefix-cache hash block; kernels: device ops for the model.
+      hash_tokens: prefix-cache hash block; kernels: device ops for the model (default:
+        :func:`default_kernels`).
       speculative: drafts per step for greedy requests (0 = off); drafter: a :class:`Drafter`
         (default: :class:`NgramDrafter`).
     """
@@ -125,7 +137,7 @@ class Engine:
         else:
             self.cfg, self.params = load_hf_checkpoint(model)
         self.max_slots, self.max_len, self.prefill_chunk = max_slots, max_len, prefill_chunk
-        self.kernels = kernels or Kernels()
+        self.kernels = kernels or default_kernels(self.cfg)
         self.H = hash_tokens
         cache_len = max_len
         if prefix_cache:

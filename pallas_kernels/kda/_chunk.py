@@ -154,7 +154,7 @@ def _merge_inverse(X, N, b0, precision):
 
 
 def prep_body_vec(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale,
-                  precision=_HI, k_piece=32):
+                  precision=_HI, inv_precision=None, k_piece=32):
     """Stage 1 as :func:`prep_body` with no serial row loop inside a sub-chunk (the GPU body).
 
     Per 16-row sub-chunk: its off-diagonal blocks are one matmul anchored at its first row;
@@ -162,7 +162,10 @@ def prep_body_vec(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, 
     ``[16, 16, k_piece]`` broadcast per slice of K reduced over K; the diagonal block's unit
     lower inverse is block doubling (1 -> 16). Then block doubling (16 -> C) over the chunk
     gives ``(I + Akk)^-1`` (:func:`_merge_inverse`): matmuls only, no row picks.
+    ``inv_precision`` (default ``precision``) is for the inverse: its doubling steps and the
+    placement of its diagonal blocks; ``precision`` for the products (Aqk, Akk, W, U).
     """
+    inv_precision = precision if inv_precision is None else inv_precision
     dot = partial(_dot, precision=precision)
     C, K = k_ref.shape
     kp = min(k_piece, K)
@@ -197,14 +200,14 @@ def prep_body_vec(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, 
         Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
         P = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
         aqk_ref[rows, :] = scale * (_dot_nt(qi * to_anchor, k_anc, precision) + _dot_nt(Aqk_d, P, precision))
-        Xd = _merge_inverse(eye16, bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, precision)
+        Xd = _merge_inverse(eye16, bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, inv_precision)
         N, X = NX
         N = N + dot(P, bi * _dot_nt(ki * to_anchor, k_anc, precision))
-        return N, X + dot(P, _dot_nt(Xd, P, precision))
+        return N, X + _dot(P, _dot_nt(Xd, P, inv_precision), inv_precision)
 
     zero = jnp.zeros((C, C), _F32)
     N, X = jax.lax.fori_loop(0, C // SUB, sub_chunk, (zero, zero))
-    X = _merge_inverse(X, N, SUB, precision)
+    X = _merge_inverse(X, N, SUB, inv_precision)
     beta = beta_ref[...].astype(_F32)
     w_ref[...] = dot(X, beta * k * jnp.exp(G))
     u_ref[...] = dot(X, beta * v_ref[...].astype(_F32))
@@ -219,14 +222,14 @@ def chunk_step(S, qg, kdT, W, U, Aqk, decay, precision=_HI):
 
 
 def prep_call(q, k, v, g, beta, *, C, scale, head_major, precision=_HI, compiler_params=None, interpret=False,
-              body=prep_body):
+              body=prep_body, **body_kw):
     """Stage 1 over every chunk at once: grid ``(NC, HV)``, both axes parallel.
 
     Inputs are chunk-aligned packed streams: token-major ``q, k [TT, H, K]``, ``v [TT, HV, V]``,
     ``g [TT, HV, K]``, ``beta [TT, HV, 1]``, or head-major (``[H, TT, K]`` ...) when
     ``head_major`` (the TPU layout: blocks are ``(C, K)`` tiles). ``TT % C == 0``.
     Returns head-major float32 ``qg, W [HV, TT, K]``, ``U [HV, TT, V]``, ``Aqk [HV, TT, C]``,
-    ``kdT [HV, NC, K, C]``, ``decay [HV, NC, K, 1]``.
+    ``kdT [HV, NC, K, C]``, ``decay [HV, NC, K, 1]``. ``body_kw`` goes to ``body``.
     """
     if head_major:
         (H, TT, K), (HV, _, V) = k.shape, v.shape
@@ -240,7 +243,7 @@ def prep_call(q, k, v, g, beta, *, C, scale, head_major, precision=_HI, compiler
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
     return pl.pallas_call(
-        partial(body, scale=scale, precision=precision),
+        partial(body, scale=scale, precision=precision, **body_kw),
         grid=(NC, HV),
         in_specs=[spec(K, True), spec(K, True), spec(V, False), spec(K, False), spec(1, False)],
         out_specs=[rows(K), per_chunk(C), rows(K), rows(V), rows(C), per_chunk(1)],

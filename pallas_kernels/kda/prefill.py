@@ -44,6 +44,23 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     return P if P >= 3 else 1
 
 
+def default_precision(precision, dtype):
+    """A GPU matmul precision: ``precision`` if given, else single-pass TF32 for 16-bit ``dtype``
+    (outputs round to 8 bits anyway), TF32x3 (float32-accurate) for float32."""
+    if precision is not None:
+        return precision
+    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32 if jnp.dtype(dtype).itemsize < 4 else GPU_PRECISION
+
+
+def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=8, interpret=False):
+    """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
+    ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting."""
+    hi = jax.lax.Precision.HIGHEST
+    return prep_call(q, k, v, g, beta, C=C, scale=scale, head_major=False, interpret=interpret,
+                     precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
+                     compiler_params=None if interpret else prefill_gpu.params(num_warps, 1), body=prep_body_vec)
+
+
 def _backend(backend):
     backend = backend or jax.default_backend()
     if backend in ("gpu", "cuda", "rocm"):
@@ -65,7 +82,7 @@ def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
-    prep_num_warps: int = 8, scan_precision=None, initial_state_fn=None,
+    prep_num_warps: int = 8, scan_precision=None, prep_precision=None, initial_state_fn=None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -80,6 +97,8 @@ def chunk_kda(
       prep_num_warps: GPU warps per token-parallel program.
       scan_precision: GPU matmul precision of the recurrent and output stages; None: single-pass TF32 for
         bf16/f16 inputs (their outputs round to 8 bits anyway), TF32x3 for float32 inputs.
+      prep_precision: the same for the token-parallel stage's products (Aqk, Akk, W, U); its
+        triangular inverse is always TF32x3 (float32-accurate).
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -123,17 +142,13 @@ def chunk_kda(
     n_slots = N * n_ck + N  # + a spare slot per sequence for chunks that write none (TPU)
 
     if kind == "gpu":
-        prep = prep_call(q, k, v, g, beta, C=C, scale=scale, head_major=False, interpret=interpret,
-                         precision=jax.lax.Precision.HIGHEST if interpret else GPU_PRECISION,
-                         compiler_params=None if interpret else prefill_gpu.params(prep_num_warps, 1),
-                         body=prep_body_vec)
+        prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
+                        num_warps=prep_num_warps, interpret=interpret)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v)
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
-        if scan_precision is None:
-            low = jnp.dtype(out_dtype).itemsize < 4
-            scan_precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32 if low else GPU_PRECISION
+        scan_precision = default_precision(scan_precision, out_dtype)
         kw = dict(n_ck_slots=n_slots, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                   precision=scan_precision, interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)

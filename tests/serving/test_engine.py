@@ -138,6 +138,20 @@ def test_ngram_drafter():
     assert d.propose([4, 1, 4], 5) == [1, 4]
 
 
+def test_default_kernels_pick_pallas_prefill_on_gpu_only():
+    from dataclasses import replace
+
+    from k3jax.model import Kernels, ModelConfig
+    from k3jax.ops.kda import chunk_kda
+    from pallas_kernels.kda import chunk_kda as pallas_chunk_kda
+    from serving.engine import CONFIGS, default_kernels
+
+    cfg = ModelConfig.from_json(f"{CONFIGS}/tiny.json")
+    assert default_kernels(cfg, "gpu").chunk_kda is pallas_chunk_kda
+    assert default_kernels(cfg, "tpu") == default_kernels(cfg, "cpu") == Kernels()
+    assert default_kernels(replace(cfg, linear_head_dim=24), "gpu").chunk_kda is chunk_kda
+
+
 def test_pallas_prefill_kernel_swaps_in(plain):
     """The Pallas prefill kernel (the GPU kernels, interpreted on CPU) injected through
     ``Kernels`` serves the same greedy tokens as the XLA path, prefix cache on (second turn)."""

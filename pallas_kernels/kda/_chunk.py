@@ -65,17 +65,23 @@ def _unit_lower_inverse(D):
     return jax.lax.fori_loop(0, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(_F32))
 
 
-def _gates(g_ref, k_ref, kdT_ref, decay_ref):
-    """The chunk's gate cumsum (a HIGHEST-precision matmul with a triangular ones matrix); writes
-    ``kd^T = (k exp(G_C - G))^T`` and ``decay = exp(G_C)``. Returns float32 ``g, k, G``."""
-    C = k_ref.shape[0]
-    g = g_ref[...].astype(_F32)
-    k = k_ref[...].astype(_F32)
-    G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
+def _decays(k, G, kdT_ref, decay_ref):
+    """Writes ``kd^T = (k exp(G_C - G))^T`` and ``decay = exp(G_C)`` from the chunk's gate cumsum ``G``."""
+    C = k.shape[0]
     GT = G.T
     GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
     decay_ref[...] = jnp.exp(GlastT)
     kdT_ref[...] = k.T * jnp.exp(GlastT - GT)
+
+
+def _gates(g_ref, k_ref, kdT_ref, decay_ref):
+    """The chunk's gate cumsum (a HIGHEST-precision matmul with a triangular ones matrix); writes
+    kd^T and decay (:func:`_decays`). Returns float32 ``g, k, G``."""
+    C = k_ref.shape[0]
+    g = g_ref[...].astype(_F32)
+    k = k_ref[...].astype(_F32)
+    G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
+    _decays(k, G, kdT_ref, decay_ref)
     return g, k, G
 
 
@@ -153,64 +159,140 @@ def _merge_inverse(X, N, b0, precision):
     return X
 
 
+def _sub_chunk_vec(q_ref, k_ref, g_ref, beta_ref, k, G, Gi, start, *, scale, precision, inv_precision, k_piece):
+    """One 16-row sub-chunk (rows ``start``..) of a chunk without serial row picks.
+
+    ``k, G [C, K]`` are the chunk's keys and gate cumsum, ``Gi [16, K]`` its rows of ``G``.
+    Off-diagonal blocks: one matmul anchored at the sub-chunk's first row. Diagonal block:
+    exact pairwise differences of a local gate cumsum, a ``[16, 16, k_piece]`` broadcast per
+    slice of K reduced over K; its unit lower inverse by block doubling (1 -> 16).
+    Returns ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of
+    the diagonal block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
+    """
+    C, K = k.shape
+    kp = min(k_piece, K)
+    rows = pl.ds(start, SUB)
+    r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+    causal = (r16 >= c16)[:, :, None]
+    tri16 = jnp.where(c16 <= r16, 1.0, 0.0).astype(_F32)
+    qi = q_ref[rows, :].astype(_F32)
+    ki = k_ref[rows, :].astype(_F32)
+    bi = beta_ref[rows, :].astype(_F32)
+    anchor = _pick_row(Gi, 0)
+    to_anchor = jnp.exp(Gi - anchor)
+    k_anc = k * jnp.exp(jnp.where(_iota((C, 1), 0) < start, anchor - G, -jnp.inf))  # columns of earlier sub-chunks
+
+    def piece(p, A):
+        cols = pl.ds(pl.multiple_of(p * kp, kp), kp)
+        Gl = _dot(tri16, g_ref[rows, cols].astype(_F32))  # local cumsum: differences are exact G_r - G_c
+        kq = k_ref[rows, cols].astype(_F32)
+        e = kq[None, :, :] * jnp.exp(jnp.where(causal, Gl[:, None, :] - Gl[None, :, :], -jnp.inf))
+        return (A[0] + jnp.sum(q_ref[rows, cols].astype(_F32)[:, None, :] * e, axis=2),
+                A[1] + jnp.sum(kq[:, None, :] * e, axis=2))
+
+    zero = jnp.zeros((SUB, SUB), _F32)
+    Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
+    P = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
+    aqk = scale * (_dot_nt(qi * to_anchor, k_anc, precision) + _dot_nt(Aqk_d, P, precision))
+    N = bi * _dot_nt(ki * to_anchor, k_anc, precision)
+    Xd = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32), bi * jnp.where(r16 > c16, Akk_d, 0.0), 1,
+                        inv_precision)
+    return scale * qi * jnp.exp(Gi), aqk, N, Xd
+
+
+def _w_u(X, beta, k, G, v, precision):
+    """``W = X (beta k exp G)``, ``U = X (beta v)`` with ``X = (I + Akk)^-1``."""
+    return _dot(X, beta * k * jnp.exp(G), precision), _dot(X, beta * v, precision)
+
+
 def prep_body_vec(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale,
                   precision=_HI, inv_precision=None, k_piece=32):
-    """Stage 1 as :func:`prep_body` with no serial row loop inside a sub-chunk (the GPU body).
+    """Stage 1 as :func:`prep_body` with no serial row loop inside a sub-chunk (the fused GPU body).
 
-    Per 16-row sub-chunk: its off-diagonal blocks are one matmul anchored at its first row;
-    its diagonal block is exact pairwise differences of a local gate cumsum, as a
-    ``[16, 16, k_piece]`` broadcast per slice of K reduced over K; the diagonal block's unit
-    lower inverse is block doubling (1 -> 16). Then block doubling (16 -> C) over the chunk
+    Per 16-row sub-chunk :func:`_sub_chunk_vec`; its rows of N and its diagonal inverse are
+    placed into ``[C, C]`` tiles with 0/1 matmuls, then block doubling (16 -> C) over the chunk
     gives ``(I + Akk)^-1`` (:func:`_merge_inverse`): matmuls only, no row picks.
     ``inv_precision`` (default ``precision``) is for the inverse: its doubling steps and the
     placement of its diagonal blocks; ``precision`` for the products (Aqk, Akk, W, U).
     """
     inv_precision = precision if inv_precision is None else inv_precision
-    dot = partial(_dot, precision=precision)
-    C, K = k_ref.shape
-    kp = min(k_piece, K)
+    C = k_ref.shape[0]
     g, k, G = _gates(g_ref, k_ref, kdT_ref, decay_ref)
-    row = _iota((C, 1), 0)
-    r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
-    causal = (r16 >= c16)[:, :, None]
-    tri16 = jnp.where(c16 <= r16, 1.0, 0.0).astype(_F32)
-    eye16 = jnp.where(r16 == c16, 1.0, 0.0).astype(_F32)
+    sub = partial(_sub_chunk_vec, q_ref, k_ref, g_ref, beta_ref, k, G, scale=scale, precision=precision,
+                  inv_precision=inv_precision, k_piece=k_piece)
 
     def sub_chunk(i, NX):
         start = pl.multiple_of(i * SUB, SUB)
         rows = pl.ds(start, SUB)
-        qi = q_ref[rows, :].astype(_F32)
-        ki = k_ref[rows, :].astype(_F32)
-        bi = beta_ref[rows, :].astype(_F32)
         Gi = _dot(jnp.where(_iota((SUB, C), 1) <= _iota((SUB, C), 0) + start, 1.0, 0.0).astype(_F32), g)
-        anchor = _pick_row(Gi, 0)
-        to_anchor = jnp.exp(Gi - anchor)
-        k_anc = k * jnp.exp(jnp.where(row < start, anchor - G, -jnp.inf))  # columns of earlier sub-chunks
-        qg_ref[rows, :] = scale * qi * jnp.exp(Gi)
-
-        def piece(p, A):
-            cols = pl.ds(pl.multiple_of(p * kp, kp), kp)
-            Gl = _dot(tri16, g_ref[rows, cols].astype(_F32))  # local cumsum: differences are exact G_r - G_c
-            kq = k_ref[rows, cols].astype(_F32)
-            e = kq[None, :, :] * jnp.exp(jnp.where(causal, Gl[:, None, :] - Gl[None, :, :], -jnp.inf))
-            return (A[0] + jnp.sum(q_ref[rows, cols].astype(_F32)[:, None, :] * e, axis=2),
-                    A[1] + jnp.sum(kq[:, None, :] * e, axis=2))
-
-        zero = jnp.zeros((SUB, SUB), _F32)
-        Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
+        qg_ref[rows, :], aqk_ref[rows, :], N_i, Xd = sub(Gi, start)
         P = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
-        aqk_ref[rows, :] = scale * (_dot_nt(qi * to_anchor, k_anc, precision) + _dot_nt(Aqk_d, P, precision))
-        Xd = _merge_inverse(eye16, bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, inv_precision)
         N, X = NX
-        N = N + dot(P, bi * _dot_nt(ki * to_anchor, k_anc, precision))
-        return N, X + _dot(P, _dot_nt(Xd, P, inv_precision), inv_precision)
+        return N + _dot(P, N_i, precision), X + _dot(P, _dot_nt(Xd, P, inv_precision), inv_precision)
 
     zero = jnp.zeros((C, C), _F32)
     N, X = jax.lax.fori_loop(0, C // SUB, sub_chunk, (zero, zero))
     X = _merge_inverse(X, N, SUB, inv_precision)
-    beta = beta_ref[...].astype(_F32)
-    w_ref[...] = dot(X, beta * k * jnp.exp(G))
-    u_ref[...] = dot(X, beta * v_ref[...].astype(_F32))
+    w_ref[...], u_ref[...] = _w_u(X, beta_ref[...].astype(_F32), k, G, v_ref[...].astype(_F32), precision)
+
+
+def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
+               inv_precision, k_piece=32):
+    """Split stage 1, kernel A: one 16-row sub-chunk (``program_id(2)``) of one chunk and head."""
+    start = pl.multiple_of(pl.program_id(2) * SUB, SUB)
+    qg_ref[...], aqk_ref[...], n_ref[...], xd_ref[...] = _sub_chunk_vec(
+        q_ref, k_ref, g_ref, beta_ref, k_ref[...].astype(_F32), G_ref[...], G_ref[pl.ds(start, SUB), :], start,
+        scale=scale, precision=precision, inv_precision=inv_precision, k_piece=k_piece)
+
+
+def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
+                inv_precision):
+    """Split stage 1, kernel B: the chunk's inverse from kernel A's pieces, then W, U, kd^T, decay."""
+    C = n_ref.shape[0]
+    k, G = k_ref[...].astype(_F32), G_ref[...]
+    _decays(k, G, kdT_ref, decay_ref)
+    r, c = _iota((C, C), 0), _iota((C, C), 1)
+    spread = jnp.where(jax.lax.rem(_iota((SUB, C), 1), SUB) == _iota((SUB, C), 0), 1.0, 0.0).astype(_F32)
+    X = jnp.where(jax.lax.div(r, SUB) == jax.lax.div(c, SUB), _dot(xd_ref[...], spread, inv_precision), 0.0)
+    X = _merge_inverse(X, n_ref[...], SUB, inv_precision)
+    w_ref[...], u_ref[...] = _w_u(X, beta_ref[...].astype(_F32), k, G, v_ref[...].astype(_F32), precision)
+
+
+def prep_split_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, rows_params=None, merge_params=None,
+                    interpret=False):
+    """GPU stage 1 as two kernels with more, smaller programs than :func:`prep_call`'s fused body:
+    the chunk-local gate cumsum in XLA; kernel A over ``(chunk, head, sub-chunk)`` writes qg,
+    Aqk, N's rows and each diagonal block's inverse; kernel B over ``(chunk, head)`` merges
+    the inverse (16 -> C) and writes W, U, kd^T, decay. Token-major inputs as
+    :func:`prep_call`; same outputs.
+    """
+    (TT, H, K), (_, HV, V) = k.shape, v.shape
+    rep, NC, ns = HV // H, TT // C, C // SUB
+    G = jnp.cumsum(g.astype(_F32).reshape(NC, C, HV, K), axis=1).reshape(TT, HV, K)
+    tok = lambda width, qk: pl.BlockSpec((C, None, width), lambda c, h, *_: (c, h // rep if qk else h, 0))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
+    sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
+    qg, aqk, N, Xd = pl.pallas_call(
+        partial(_rows_body, scale=scale, precision=precision, inv_precision=inv_precision),
+        grid=(NC, HV, ns),
+        in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
+        out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
+        out_shape=[f32(HV, TT, K), f32(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
+        compiler_params=rows_params,
+        interpret=interpret,
+    )(q, k, g, G, beta)
+    rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
+    per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
+    kdT, W, U, decay = pl.pallas_call(
+        partial(_merge_body, precision=precision, inv_precision=inv_precision),
+        grid=(NC, HV),
+        in_specs=[tok(K, True), tok(V, False), tok(K, False), tok(1, False), rows(C), rows(SUB)],
+        out_specs=[per_chunk(C), rows(K), rows(V), per_chunk(1)],
+        out_shape=[f32(HV, NC, K, C), f32(HV, TT, K), f32(HV, TT, V), f32(HV, NC, K, 1)],
+        compiler_params=merge_params,
+        interpret=interpret,
+    )(k, v, G, beta, N, Xd)
+    return qg, kdT, W, U, aqk, decay
 
 
 def chunk_step(S, qg, kdT, W, U, Aqk, decay, precision=_HI):

@@ -12,8 +12,10 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   qg = scale q exp G, kd^T = (k exp(G_C - G))^T, decay = exp(G_C) as a column.
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
-  ``prep_body_vec`` (the GPU body) computes the same without serial row picks: diagonal
-  blocks as a broadcast reduced over K, inverses by block doubling (``_merge_inverse``).
+  The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as two
+  kernels: per 16-row sub-chunk (:func:`_sub_chunk_vec`: diagonal blocks as a broadcast
+  reduced over K, the diagonal inverse by block doubling), then per chunk the inverse merge
+  (:func:`_merge_inverse`) and W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
   V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels split
   it: the loop carries S only, the outputs come from a parallel kernel (``prefill_gpu``).
@@ -205,40 +207,9 @@ def _w_u(X, beta, k, G, v, precision):
     return _dot(X, beta * k * jnp.exp(G), precision), _dot(X, beta * v, precision)
 
 
-def prep_body_vec(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale,
-                  precision=_HI, inv_precision=None, k_piece=32):
-    """Stage 1 as :func:`prep_body` with no serial row loop inside a sub-chunk (the fused GPU body).
-
-    Per 16-row sub-chunk :func:`_sub_chunk_vec`; its rows of N and its diagonal inverse are
-    placed into ``[C, C]`` tiles with 0/1 matmuls, then block doubling (16 -> C) over the chunk
-    gives ``(I + Akk)^-1`` (:func:`_merge_inverse`): matmuls only, no row picks.
-    ``inv_precision`` (default ``precision``) is for the inverse: its doubling steps and the
-    placement of its diagonal blocks; ``precision`` for the products (Aqk, Akk, W, U).
-    """
-    inv_precision = precision if inv_precision is None else inv_precision
-    C = k_ref.shape[0]
-    g, k, G = _gates(g_ref, k_ref, kdT_ref, decay_ref)
-    sub = partial(_sub_chunk_vec, q_ref, k_ref, g_ref, beta_ref, k, G, scale=scale, precision=precision,
-                  inv_precision=inv_precision, k_piece=k_piece)
-
-    def sub_chunk(i, NX):
-        start = pl.multiple_of(i * SUB, SUB)
-        rows = pl.ds(start, SUB)
-        Gi = _dot(jnp.where(_iota((SUB, C), 1) <= _iota((SUB, C), 0) + start, 1.0, 0.0).astype(_F32), g)
-        qg_ref[rows, :], aqk_ref[rows, :], N_i, Xd = sub(Gi, start)
-        P = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
-        N, X = NX
-        return N + _dot(P, N_i, precision), X + _dot(P, _dot_nt(Xd, P, inv_precision), inv_precision)
-
-    zero = jnp.zeros((C, C), _F32)
-    N, X = jax.lax.fori_loop(0, C // SUB, sub_chunk, (zero, zero))
-    X = _merge_inverse(X, N, SUB, inv_precision)
-    w_ref[...], u_ref[...] = _w_u(X, beta_ref[...].astype(_F32), k, G, v_ref[...].astype(_F32), precision)
-
-
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
                inv_precision, k_piece=32):
-    """Split stage 1, kernel A: one 16-row sub-chunk (``program_id(2)``) of one chunk and head."""
+    """GPU stage 1, kernel A: one 16-row sub-chunk (``program_id(2)``) of one chunk and head."""
     start = pl.multiple_of(pl.program_id(2) * SUB, SUB)
     qg_ref[...], aqk_ref[...], n_ref[...], xd_ref[...] = _sub_chunk_vec(
         q_ref, k_ref, g_ref, beta_ref, k_ref[...].astype(_F32), G_ref[...], G_ref[pl.ds(start, SUB), :], start,
@@ -247,7 +218,11 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
 
 def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
                 inv_precision):
-    """Split stage 1, kernel B: the chunk's inverse from kernel A's pieces, then W, U, kd^T, decay."""
+    """GPU stage 1, kernel B: the chunk's inverse from kernel A's pieces, then W, U, kd^T, decay.
+
+    The diagonal inverses ``Xd [C, 16]`` are spread to a block-diagonal ``[C, C]`` by one 0/1
+    matmul; block doubling (16 -> C) with ``N`` gives ``(I + Akk)^-1`` (:func:`_merge_inverse`).
+    """
     C = n_ref.shape[0]
     k, G = k_ref[...].astype(_F32), G_ref[...]
     _decays(k, G, kdT_ref, decay_ref)
@@ -258,13 +233,15 @@ def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_
     w_ref[...], u_ref[...] = _w_u(X, beta_ref[...].astype(_F32), k, G, v_ref[...].astype(_F32), precision)
 
 
-def prep_split_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, rows_params=None, merge_params=None,
-                    interpret=False):
-    """GPU stage 1 as two kernels with more, smaller programs than :func:`prep_call`'s fused body:
-    the chunk-local gate cumsum in XLA; kernel A over ``(chunk, head, sub-chunk)`` writes qg,
-    Aqk, N's rows and each diagonal block's inverse; kernel B over ``(chunk, head)`` merges
-    the inverse (16 -> C) and writes W, U, kd^T, decay. Token-major inputs as
-    :func:`prep_call`; same outputs.
+def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, compiler_params=None, interpret=False):
+    """GPU stage 1 as two kernels of small programs (many per SM; one fused kernel per chunk was
+    1.6x slower on the H200): the chunk-local gate cumsum in XLA; kernel A over
+    ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
+    kernel B over ``(chunk, head)`` merges the inverse (16 -> C) and writes W, U, kd^T, decay.
+    Token-major inputs ``q, k [TT, H, K]``, ``v [TT, HV, V]``, ``g [TT, HV, K]``,
+    ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for the
+    inverse (its doubling steps and the spread of its diagonal blocks), ``precision`` for the
+    products (Aqk, Akk, W, U).
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -278,7 +255,7 @@ def prep_split_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, row
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
         out_shape=[f32(HV, TT, K), f32(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
-        compiler_params=rows_params,
+        compiler_params=compiler_params,
         interpret=interpret,
     )(q, k, g, G, beta)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
@@ -289,7 +266,7 @@ def prep_split_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, row
         in_specs=[tok(K, True), tok(V, False), tok(K, False), tok(1, False), rows(C), rows(SUB)],
         out_specs=[per_chunk(C), rows(K), rows(V), per_chunk(1)],
         out_shape=[f32(HV, NC, K, C), f32(HV, TT, K), f32(HV, TT, V), f32(HV, NC, K, 1)],
-        compiler_params=merge_params,
+        compiler_params=compiler_params,
         interpret=interpret,
     )(k, v, G, beta, N, Xd)
     return qg, kdT, W, U, aqk, decay
@@ -303,29 +280,23 @@ def chunk_step(S, qg, kdT, W, U, Aqk, decay, precision=_HI):
     return o, decay * S + dot(kdT, v_new)
 
 
-def prep_call(q, k, v, g, beta, *, C, scale, head_major, precision=_HI, compiler_params=None, interpret=False,
-              body=prep_body, **body_kw):
-    """Stage 1 over every chunk at once: grid ``(NC, HV)``, both axes parallel.
+def prep_call(q, k, v, g, beta, *, C, scale, compiler_params=None, interpret=False):
+    """TPU stage 1 (:func:`prep_body`) over every chunk at once: grid ``(NC, HV)``, both axes parallel.
 
-    Inputs are chunk-aligned packed streams: token-major ``q, k [TT, H, K]``, ``v [TT, HV, V]``,
-    ``g [TT, HV, K]``, ``beta [TT, HV, 1]``, or head-major (``[H, TT, K]`` ...) when
-    ``head_major`` (the TPU layout: blocks are ``(C, K)`` tiles). ``TT % C == 0``.
+    Inputs are chunk-aligned packed head-major streams (blocks are ``(C, K)`` tiles):
+    ``q, k [H, TT, K]``, ``v [HV, TT, V]``, ``g [HV, TT, K]``, ``beta [HV, TT, 1]``; ``TT % C == 0``.
     Returns head-major float32 ``qg, W [HV, TT, K]``, ``U [HV, TT, V]``, ``Aqk [HV, TT, C]``,
-    ``kdT [HV, NC, K, C]``, ``decay [HV, NC, K, 1]``. ``body_kw`` goes to ``body``.
+    ``kdT [HV, NC, K, C]``, ``decay [HV, NC, K, 1]``.
     """
-    if head_major:
-        (H, TT, K), (HV, _, V) = k.shape, v.shape
-        spec = lambda width, qk: pl.BlockSpec((None, C, width), lambda c, h: (h // rep if qk else h, c, 0))
-    else:
-        (TT, H, K), (_, HV, V) = k.shape, v.shape
-        spec = lambda width, qk: pl.BlockSpec((C, None, width), lambda c, h: (c, h // rep if qk else h, 0))
+    (H, TT, K), (HV, _, V) = k.shape, v.shape
     rep = HV // H
     NC = TT // C
+    spec = lambda width, qk: pl.BlockSpec((None, C, width), lambda c, h: (h // rep if qk else h, c, 0))
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
     return pl.pallas_call(
-        partial(body, scale=scale, precision=precision, **body_kw),
+        partial(prep_body, scale=scale),
         grid=(NC, HV),
         in_specs=[spec(K, True), spec(K, True), spec(V, False), spec(K, False), spec(1, False)],
         out_specs=[rows(K), per_chunk(C), rows(K), rows(V), rows(C), per_chunk(1)],

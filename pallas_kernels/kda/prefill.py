@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
 from k3jax.ops.segments import combine_segments, segment_initial_states
 from pallas_kernels.kda import prefill_gpu, prefill_tpu
-from pallas_kernels.kda._chunk import GPU_PRECISION, prep_body_vec, prep_call, prep_split_call
+from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
 _F32 = jnp.float32
 
@@ -52,17 +52,13 @@ def default_precision(precision, dtype):
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32 if jnp.dtype(dtype).itemsize < 4 else GPU_PRECISION
 
 
-def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=8, split=False, interpret=False):
+def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, interpret=False):
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
-    ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting.
-    ``split``: two kernels (:func:`prep_split_call`) instead of the fused body."""
+    ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting."""
     hi = jax.lax.Precision.HIGHEST
-    cp = None if interpret else prefill_gpu.params(num_warps, 1)
-    kw = dict(C=C, scale=scale, interpret=interpret, precision=hi if interpret else precision,
-              inv_precision=hi if interpret else GPU_PRECISION)
-    if split:
-        return prep_split_call(q, k, v, g, beta, rows_params=cp, merge_params=cp, **kw)
-    return prep_call(q, k, v, g, beta, head_major=False, compiler_params=cp, body=prep_body_vec, **kw)
+    return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret,
+                         precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
+                         compiler_params=None if interpret else prefill_gpu.params(num_warps, 1))
 
 
 def _backend(backend):
@@ -86,8 +82,7 @@ def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
-    prep_num_warps: int = 8, scan_precision=None, prep_precision=None, split_prep: bool = False,
-    initial_state_fn=None,
+    prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -104,8 +99,6 @@ def chunk_kda(
         bf16/f16 inputs (their outputs round to 8 bits anyway), TF32x3 for float32 inputs.
       prep_precision: the same for the token-parallel stage's products (Aqk, Akk, W, U); its
         triangular inverse is always TF32x3 (float32-accurate).
-      split_prep: GPU token-parallel stage as two kernels (one program per 16-row sub-chunk,
-        then one per chunk for the inverse merge and W, U) instead of one fused kernel.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -150,7 +143,7 @@ def chunk_kda(
 
     if kind == "gpu":
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
-                        num_warps=prep_num_warps, split=split_prep, interpret=interpret)
+                        num_warps=prep_num_warps, interpret=interpret)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v)
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
@@ -173,7 +166,7 @@ def chunk_kda(
         final = final.reshape(N, P, HV, K, V)[:, -1]
     else:
         head = lambda x: jnp.moveaxis(x, 1, 0)
-        prep = prep_call(*(head(x) for x in (q, k, v, g, beta)), C=C, scale=scale, head_major=True,
+        prep = prep_call(*(head(x) for x in (q, k, v, g, beta)), C=C, scale=scale,
                          compiler_params=prefill_tpu.PREP_PARAMS, interpret=interpret)
         c = jnp.arange(NC, dtype=jnp.int32)
         slot = jnp.where(ci >= 0, seq * n_ck + ci, N * n_ck + seq)

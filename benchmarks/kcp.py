@@ -2,7 +2,8 @@
 With one GPU: the per-rank work of a two-rank run (the per-shard prefill of T/2 tokens whose
 maps, from its own token-parallel stage, go through the fold before its recurrent stage)
 against the one-device prefill, and the exchanged bytes; the multi-GPU run is then still owed.
-``--kernel pallas`` uses the Pallas prefill as the per-shard op.
+The per-shard op is the Pallas prefill (``--kernel xla``: the XLA reference); ``--segments P``
+runs each rank's recurrence as P segments (its summary pass is paid anyway for the fold).
 
 Run: ``PYTHONPATH=$PWD python3 benchmarks/kcp.py``. Writes ``$OUT/kcp.json``.
 """
@@ -31,11 +32,15 @@ def main():
     ap.add_argument("--T", type=int, nargs="+", default=[131072, 524288])
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--kernel", choices=("xla", "pallas"), default="xla", help="the per-shard prefill op")
+    ap.add_argument("--kernel", choices=("xla", "pallas"), default="pallas", help="the per-shard prefill op")
+    ap.add_argument("--segments", type=int, default=None,
+                    help="Pallas: segments per rank for the per-shard op (its summary pass runs anyway); default: planner")
     a = ap.parse_args()
     n_dev = len(jax.devices())
     kernel = pallas_chunk_kda if a.kernel == "pallas" else chunk_kda
-    one = jax.jit(kernel)
+    one = jax.jit(kernel)  # the one-device baseline keeps the planner's choice
+    if a.segments:
+        kernel = partial(pallas_chunk_kda, num_segments=a.segments)
     rows = []
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "n_devices": n_dev}
     for T in a.T:

@@ -101,6 +101,8 @@ class _Req:
     finished: threading.Event = field(default_factory=threading.Event)
     result: Result | None = None
     aborted: bool = False
+    spec_misses: int = 0  # consecutive verify windows that accepted no draft
+    spec_wait: int = 0  # decode steps left before drafting again
 
     @property
     def tokens(self) -> list[int]:
@@ -123,12 +125,15 @@ class Engine:
       hash_tokens: prefix-cache hash block; kernels: device ops for the model (default:
         :func:`default_kernels`).
       speculative: drafts per step for greedy requests (0 = off); drafter: a :class:`Drafter`
-        (default: :class:`NgramDrafter`).
+        (default: :class:`NgramDrafter`); spec_backoff: after ``m`` consecutive windows with no
+        draft accepted, a request decodes plainly for ``min(2^(m-1), spec_backoff)`` steps
+        before drafting again (0: never back off). Rows with no drafts decode plainly.
     """
 
     def __init__(self, model="tiny", *, max_slots: int = 4, max_len: int = 2048, prefill_chunk: int = 256,
                  prefix_cache: bool = True, cache_pages: int = 64, hash_tokens: int = 512, kernels: Kernels | None = None,
-                 seed: int = 0, dtype=jnp.float32, speculative: int = 0, drafter: "Drafter | None" = None):
+                 seed: int = 0, dtype=jnp.float32, speculative: int = 0, drafter: "Drafter | None" = None,
+                 spec_backoff: int = 16):
         if isinstance(model, tuple):  # (ModelConfig, params), e.g. a random config for benchmarks
             self.cfg, self.params = model
         elif model == "tiny":
@@ -156,6 +161,7 @@ class Engine:
         self._compiled: set = set()
         self.speculative = speculative
         self.drafter = drafter or NgramDrafter()
+        self.spec_backoff = spec_backoff
         self.cache = self.pool = None
         if prefix_cache:
             self.pool = PagePool(cache_pages, max(kda_words, int(np.prod(self._mla_shape))))
@@ -278,10 +284,17 @@ class Engine:
         dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
         if self.speculative:
             fits = self.caches.mla_kv.shape[2] - self.speculative - 1
-            spec = {r.rid for r in dec if r.sp.temperature == 0 and r.done <= fits}
-            if spec:
-                self._spec_step([r for r in dec if r.rid in spec])
-                dec = [r for r in dec if r.rid not in spec]
+            drafts = {}
+            for r in dec:
+                if r.sp.temperature != 0 or r.done > fits:
+                    continue
+                if r.spec_wait:
+                    r.spec_wait -= 1
+                elif d := self._draft(r):
+                    drafts[r.rid] = d
+            if drafts:
+                self._spec_step([r for r in dec if r.rid in drafts], drafts)
+                dec = [r for r in dec if r.rid not in drafts]
         if not dec:
             return
         tokens = np.zeros(self.max_slots, np.int32)
@@ -354,20 +367,21 @@ class Engine:
         with self._lock:
             self.waiting.appendleft(r)
 
-    def _spec_step(self, rows: list[_Req]):
+    def _draft(self, r: _Req) -> list[int]:
+        room = min((r.done // self.H + 1) * self.H - r.done,  # never cross a hash boundary
+                   self.max_len - r.done, r.sp.max_tokens - len(r.out)) - 1
+        return self.drafter.propose(r.tokens, min(self.speculative, room)) if room > 0 else []
+
+    def _spec_step(self, rows: list[_Req], drafts: dict[int, list[int]]):
         """Speculative decode for greedy requests, batched over slots: verify ``[last] + drafts``
         of every row in one forward, keep each row's agreeing prefix plus the bonus token, and
         rebuild each state after exactly those tokens by replaying the window's cached
-        projections (one batched commit). A row without drafts is a plain decode step (n = 0)."""
+        projections (one batched commit)."""
         S = self.speculative
         windows = np.zeros((self.max_slots, S + 1), np.int32)
         active = np.zeros(self.max_slots, bool)
-        drafts = {}
         for r in rows:
-            room = min((r.done // self.H + 1) * self.H - r.done,  # never cross a hash boundary
-                       self.max_len - r.done, r.sp.max_tokens - len(r.out)) - 1
-            d = self.drafter.propose(r.tokens, min(S, room)) if room > 0 else []
-            drafts[r.rid] = d
+            d = drafts[r.rid]
             windows[r.slot, 0], windows[r.slot, 1 : 1 + len(d)] = r.out[-1], d
             active[r.slot] = True
         self._note_compile(("verify", self.max_slots, S + 1))
@@ -380,6 +394,8 @@ class Engine:
             while n < len(d) and d[n] == preds[r.slot, n]:
                 n += 1
             accepted[r.slot] = n
+            r.spec_misses = 0 if n else r.spec_misses + 1
+            r.spec_wait = min(1 << (r.spec_misses - 1), self.spec_backoff) if r.spec_misses else 0
             self.metrics["spec_proposed"] += len(d)
             self.metrics["spec_accepted"] += n
         self._note_compile(("commit", self.max_slots, S + 1))

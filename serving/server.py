@@ -214,11 +214,17 @@ def main(argv=None):
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--speculative", type=int, default=0,
+                    help="draft tokens per step for greedy requests (n-gram prompt lookup; 0 = off)")
+    ap.add_argument("--spec-backoff", type=int, default=16,
+                    help="most plain steps a request waits after windows with no accepted draft (0 = never wait)")
     a = ap.parse_args(argv)
+    if a.speculative < 0 or a.spec_backoff < 0:
+        ap.error("--speculative and --spec-backoff must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(f"k3jax-serve: loading {a.model} ...", flush=True)
     engine = Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
-                    prefix_cache=not a.no_prefix_cache)
+                    prefix_cache=not a.no_prefix_cache, speculative=a.speculative, spec_backoff=a.spec_backoff)
     tokenizer = load_tokenizer(a.model)
     print("k3jax-serve: compiling (first request shapes) ...", flush=True)
     t0 = time.perf_counter()

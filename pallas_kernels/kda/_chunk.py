@@ -13,7 +13,7 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
   The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as two
-  kernels: per 16-row sub-chunk (:func:`_sub_chunk_vec`: diagonal blocks as a broadcast
+  kernels: per 16-row sub-chunk (:func:`_rows_body`: diagonal blocks as a broadcast
   reduced over K, the diagonal inverse by block doubling), then per chunk the inverse merge
   (:func:`_merge_inverse`) and W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
@@ -161,18 +161,20 @@ def _merge_inverse(X, N, b0, precision):
     return X
 
 
-def _sub_chunk_vec(q_ref, k_ref, g_ref, beta_ref, k, G, Gi, start, *, scale, precision, inv_precision, k_piece):
-    """One 16-row sub-chunk (rows ``start``..) of a chunk without serial row picks.
+def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
+               inv_precision, k_piece=32):
+    """GPU stage 1, kernel A: one 16-row sub-chunk (``program_id(2)``) of one chunk and head.
 
-    ``k, G [C, K]`` are the chunk's keys and gate cumsum, ``Gi [16, K]`` its rows of ``G``.
-    Off-diagonal blocks: one matmul anchored at the sub-chunk's first row. Diagonal block:
-    exact pairwise differences of a local gate cumsum, a ``[16, 16, k_piece]`` broadcast per
-    slice of K reduced over K; its unit lower inverse by block doubling (1 -> 16).
-    Returns ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of
-    the diagonal block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
+    Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Off-diagonal blocks: one
+    matmul anchored at the sub-chunk's first row. Diagonal block: exact pairwise differences
+    of a local gate cumsum, a ``[16, 16, k_piece]`` broadcast per slice of K reduced over K;
+    its unit lower inverse by block doubling (1 -> 16). Writes ``qg [16, K]``, ``Aqk [16, C]``
+    (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal block, zero from it on) and
+    the diagonal block's inverse ``Xd [16, 16]``.
     """
-    C, K = k.shape
+    C, K = k_ref.shape
     kp = min(k_piece, K)
+    start = pl.multiple_of(pl.program_id(2) * SUB, SUB)
     rows = pl.ds(start, SUB)
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
     causal = (r16 >= c16)[:, :, None]
@@ -180,9 +182,11 @@ def _sub_chunk_vec(q_ref, k_ref, g_ref, beta_ref, k, G, Gi, start, *, scale, pre
     qi = q_ref[rows, :].astype(_F32)
     ki = k_ref[rows, :].astype(_F32)
     bi = beta_ref[rows, :].astype(_F32)
+    Gi = G_ref[rows, :]
     anchor = _pick_row(Gi, 0)
     to_anchor = jnp.exp(Gi - anchor)
-    k_anc = k * jnp.exp(jnp.where(_iota((C, 1), 0) < start, anchor - G, -jnp.inf))  # columns of earlier sub-chunks
+    # Columns of earlier sub-chunks, anchored at this sub-chunk's first row (exponents <= 0).
+    k_anc = k_ref[...].astype(_F32) * jnp.exp(jnp.where(_iota((C, 1), 0) < start, anchor - G_ref[...], -jnp.inf))
 
     def piece(p, A):
         cols = pl.ds(pl.multiple_of(p * kp, kp), kp)
@@ -195,25 +199,11 @@ def _sub_chunk_vec(q_ref, k_ref, g_ref, beta_ref, k, G, Gi, start, *, scale, pre
     zero = jnp.zeros((SUB, SUB), _F32)
     Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
     P = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
-    aqk = scale * (_dot_nt(qi * to_anchor, k_anc, precision) + _dot_nt(Aqk_d, P, precision))
-    N = bi * _dot_nt(ki * to_anchor, k_anc, precision)
-    Xd = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32), bi * jnp.where(r16 > c16, Akk_d, 0.0), 1,
-                        inv_precision)
-    return scale * qi * jnp.exp(Gi), aqk, N, Xd
-
-
-def _w_u(X, beta, k, G, v, precision):
-    """``W = X (beta k exp G)``, ``U = X (beta v)`` with ``X = (I + Akk)^-1``."""
-    return _dot(X, beta * k * jnp.exp(G), precision), _dot(X, beta * v, precision)
-
-
-def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
-               inv_precision, k_piece=32):
-    """GPU stage 1, kernel A: one 16-row sub-chunk (``program_id(2)``) of one chunk and head."""
-    start = pl.multiple_of(pl.program_id(2) * SUB, SUB)
-    qg_ref[...], aqk_ref[...], n_ref[...], xd_ref[...] = _sub_chunk_vec(
-        q_ref, k_ref, g_ref, beta_ref, k_ref[...].astype(_F32), G_ref[...], G_ref[pl.ds(start, SUB), :], start,
-        scale=scale, precision=precision, inv_precision=inv_precision, k_piece=k_piece)
+    qg_ref[...] = scale * qi * jnp.exp(Gi)
+    aqk_ref[...] = scale * (_dot_nt(qi * to_anchor, k_anc, precision) + _dot_nt(Aqk_d, P, precision))
+    n_ref[...] = bi * _dot_nt(ki * to_anchor, k_anc, precision)
+    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32),
+                                 bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, inv_precision)
 
 
 def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
@@ -230,7 +220,9 @@ def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_
     spread = jnp.where(jax.lax.rem(_iota((SUB, C), 1), SUB) == _iota((SUB, C), 0), 1.0, 0.0).astype(_F32)
     X = jnp.where(jax.lax.div(r, SUB) == jax.lax.div(c, SUB), _dot(xd_ref[...], spread, inv_precision), 0.0)
     X = _merge_inverse(X, n_ref[...], SUB, inv_precision)
-    w_ref[...], u_ref[...] = _w_u(X, beta_ref[...].astype(_F32), k, G, v_ref[...].astype(_F32), precision)
+    beta = beta_ref[...].astype(_F32)
+    w_ref[...] = _dot(X, beta * k * jnp.exp(G), precision)
+    u_ref[...] = _dot(X, beta * v_ref[...].astype(_F32), precision)
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, compiler_params=None, interpret=False):

@@ -129,6 +129,23 @@ def test_speculative_greedy_equals_plain_greedy(plain):
     assert [r.token_ids for r in ngram.generate(reps, max_tokens=10)] == [r.token_ids for r in plain.generate(reps, max_tokens=10)]
 
 
+def test_speculation_backs_off_when_nothing_is_accepted(plain):
+    """A drafter that is always wrong. With back-off the request drafts 3 tokens at decode steps
+    1, 3, 6, 11 and 20 (waits 1, 2, 4, 8, 16 after consecutive misses): 15 drafts. Without,
+    at every step that has room: 3 at steps 1-20, then 2 and 1 (max_tokens), 63 drafts. The
+    greedy tokens are the plain ones either way."""
+    p = prompt(15, 30)
+    want = plain.generate([p], max_tokens=24)[0].token_ids
+    wrong = OracleDrafter([(p, [(t + 1) % 256 for t in want])])  # every position wrong
+    e = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3, drafter=wrong)
+    for backoff, proposed in ((16, 15), (0, 63)):
+        e.spec_backoff = backoff
+        e.metrics.update(spec_proposed=0, spec_accepted=0)
+        assert e.generate([p], max_tokens=24)[0].token_ids == want
+        assert e.metrics["spec_accepted"] == 0
+        assert e.metrics["spec_proposed"] == proposed
+
+
 def test_ngram_drafter():
     from serving.engine import NgramDrafter
 

@@ -399,7 +399,8 @@ class Engine:
             self.metrics["spec_proposed"] += len(d)
             self.metrics["spec_accepted"] += n
         self._note_compile(("commit", self.max_slots, S + 1))
-        self.caches = _commit(self.cfg, self.caches, after, win, jnp.asarray(accepted + 1), jnp.asarray(active))
+        self.caches = _commit(self.cfg, self.kernels, self.caches, after, win, jnp.asarray(accepted + 1),
+                              jnp.asarray(active))
         for r in rows:
             n = int(accepted[r.slot])
             for i in range(n):
@@ -501,9 +502,9 @@ def _verify(cfg, kernels, params, windows, caches):
     return jax.vmap(lambda w, c: forward(cfg, params, w, c, kernels, return_window=True))(windows, caches)
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _commit(cfg, caches, after, win, n, active):
-    new = jax.vmap(partial(commit_window, cfg))(caches, after, win, n)
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def _commit(cfg, kernels, caches, after, win, n, active):
+    new = commit_window(cfg, caches, after, win, n, kernels)
     keep = lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
     return jax.tree.map(keep, new, caches)
 

@@ -36,13 +36,16 @@ class Kernels:
 
     Pieces of at most ``recurrent_max_t`` tokens (decode steps, speculative windows, the tail
     pieces of a prefill) run through ``recurrent_kda`` (token by token): the chunked form would
-    pad them to a whole chunk.
+    pad them to a whole chunk. ``kda_commit`` rebuilds states after a speculative window's
+    accepted prefix (:func:`commit_window`), with the signature of
+    :func:`k3jax.ops.kda.kda_commit` (a dense state batch).
     """
 
     chunk_kda: Callable = chunk_kda
     short_conv: Callable = short_conv
     recurrent_kda: Callable = naive_recurrent_kda
     recurrent_max_t: int = 16
+    kda_commit: Callable = kda_commit
 
 
 class ModelCache(NamedTuple):
@@ -210,18 +213,25 @@ def forward(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Ker
     return linear(x, head), new
 
 
-def commit_window(cfg: ModelConfig, before: ModelCache, after: ModelCache, window: WindowInputs, num_tokens):
-    """The cache after only the first ``num_tokens`` positions of a verified window.
+def commit_window(cfg: ModelConfig, before: ModelCache, after: ModelCache, window: WindowInputs, num_tokens,
+                  kernels: Kernels = Kernels()):
+    """The caches of a batch of sequences after only the first ``num_tokens i32[B]`` positions of
+    their verified windows (``before``, ``after`` and ``window`` with a leading batch axis).
 
     KDA states are rebuilt by replaying the cached projections from ``before`` (no per-draft state
-    snapshots); the short-conv state is the last ``W - 1`` raw inputs before the cut; MLA latents
-    come from ``after`` (positions past the cut are masked and later overwritten).
+    snapshots), every sequence and layer in one ``kernels.kda_commit`` call; the short-conv state
+    is the last ``W - 1`` raw inputs before the cut; MLA latents come from ``after`` (positions
+    past the cut are masked and later overwritten).
     """
-    replay = lambda S, w: kda_commit(S[None], w.k[None], w.v[None], w.g[None], w.beta[None], num_tokens[None])[0]
-    kda_state = jax.vmap(replay)(before.kda_state, window) if cfg.kda_layers else before.kda_state
-    W1 = cfg.conv_width - 1
-    conv = lambda c, raw: jax.lax.dynamic_slice_in_dim(jnp.concatenate([c, raw.astype(c.dtype)]), num_tokens, W1)
-    conv_state = jax.vmap(conv)(before.conv_state, window.raw) if cfg.kda_layers else before.conv_state
+    kda_state, conv_state = before.kda_state, before.conv_state
+    if cfg.kda_layers:
+        B, nk = kda_state.shape[:2]
+        flat = lambda x: x.reshape(B * nk, *x.shape[2:])
+        kda_state = kernels.kda_commit(flat(kda_state), flat(window.k), flat(window.v), flat(window.g),
+                                       flat(window.beta), jnp.repeat(num_tokens, nk)).reshape(kda_state.shape)
+        W1 = cfg.conv_width - 1
+        cut = lambda c, raw, n: jax.lax.dynamic_slice_in_dim(jnp.concatenate([c, raw.astype(c.dtype)]), n, W1)
+        conv_state = jax.vmap(jax.vmap(cut, (0, 0, None)))(conv_state, window.raw, num_tokens)
     return ModelCache(kda_state, conv_state, after.mla_kv, before.pos + num_tokens)
 
 

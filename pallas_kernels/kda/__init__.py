@@ -2,6 +2,7 @@
 
 from pallas_kernels.kda.decode import (
     kda_commit,
+    kda_commit_dense,
     kda_commit_snapshot,
     kda_commit_verify,
     kda_decode,
@@ -13,6 +14,7 @@ from pallas_kernels.kda.prefill import chunk_kda, plan_segments
 __all__ = [
     "chunk_kda",
     "kda_commit",
+    "kda_commit_dense",
     "kda_commit_snapshot",
     "kda_commit_verify",
     "kda_decode",

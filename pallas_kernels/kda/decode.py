@@ -134,6 +134,14 @@ def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, interpret=N
     return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[2]
 
 
+def kda_commit_dense(state, k, v, g, beta, num_tokens, *, interpret=None, backend=None):
+    """:func:`kda_commit` with the signature of :func:`k3jax.ops.kda.kda_commit`: a dense state
+    batch ``f32[B, HV, K, V]`` whose row ``b`` is slot ``b``; returns the committed states (the
+    model's ``Kernels.kda_commit``)."""
+    ids = np.arange(state.shape[0], dtype=np.int32)
+    return kda_commit(state.astype(jnp.float32), ids, k, v, g, beta, num_tokens, interpret=interpret, backend=backend)
+
+
 def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta, *, scale=None, interpret=None,
                       backend=None):
     """Commit fused into the next verify: per row, replay the previous window's first

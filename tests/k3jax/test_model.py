@@ -142,8 +142,9 @@ def test_commit_window_equals_running_the_prefix():
     verify = jax.jit(lambda ids, cache: forward(cfg, params, ids, cache, return_window=True))
     _, c0 = fwd(ids[:24], init_cache(cfg, 40))
     _, after, win = verify(ids[24:30], c0)
+    one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # a batch of one
     for n in (0, 2, 6):  # none, some and all of the window
-        got = commit_window(cfg, c0, after, win, jnp.int32(n))
+        got = jax.tree.map(lambda x: x[0], commit_window(cfg, one(c0), one(after), one(win), jnp.array([n], jnp.int32)))
         _, want = fwd(ids[24 : 24 + n], c0) if n else (None, c0)
         assert rel_rms(got.kda_state, want.kda_state) <= 2e-3
         np.testing.assert_allclose(np.asarray(got.conv_state), np.asarray(want.conv_state), rtol=1e-6, atol=1e-6)

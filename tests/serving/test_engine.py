@@ -169,6 +169,24 @@ def test_default_kernels_pick_pallas_prefill_on_gpu_only():
     assert default_kernels(replace(cfg, linear_head_dim=24), "gpu").chunk_kda is chunk_kda
 
 
+def test_pallas_commit_kernel_swaps_in(plain):
+    """Speculative decoding with the Pallas commit-by-replay kernel (the GPU kernel, interpreted
+    on CPU) as ``Kernels.kda_commit``: windows accepting all, some or none of their drafts, the
+    plain greedy tokens."""
+    from functools import partial
+
+    from k3jax.model import Kernels
+    from pallas_kernels.kda import kda_commit_dense
+
+    ps = [prompt(10, 40), prompt(13, 17)]
+    want = [r.token_ids for r in plain.generate(ps, max_tokens=12)]
+    e = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3,
+               drafter=OracleDrafter(list(zip(ps, want))),
+               kernels=Kernels(kda_commit=partial(kda_commit_dense, backend="gpu", interpret=True)))
+    assert [r.token_ids for r in e.generate(ps, max_tokens=12)] == want
+    assert 0 < e.metrics["spec_accepted"] < e.metrics["spec_proposed"]
+
+
 def test_pallas_prefill_kernel_swaps_in(plain):
     """The Pallas prefill kernel (the GPU kernels, interpreted on CPU) injected through
     ``Kernels`` serves the same greedy tokens as the XLA path, prefix cache on (second turn)."""

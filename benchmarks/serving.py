@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from dataclasses import replace
 import json
 import time
 
@@ -17,7 +18,7 @@ import numpy as np
 from benchmarks.common import HBM_BYTES_PER_S, write_json
 from benchmarks.model import mid_model
 from k3jax.model import Kernels
-from pallas_kernels.kda import chunk_kda, kda_commit_dense
+from pallas_kernels.kda import chunk_kda, kda_commit_dense, kda_recurrent_dense
 from serving.engine import Engine
 
 
@@ -58,12 +59,14 @@ def main():
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--kernels", choices=("xla", "pallas"), default="pallas",
                     help="chunked KDA prefill: the XLA path or pallas_kernels.kda.chunk_kda")
-    ap.add_argument("--commit", choices=("xla", "pallas"), default="xla",
-                    help="speculative commit by replay: the XLA reference or pallas_kernels.kda.kda_commit_dense")
+    ap.add_argument("--decode", choices=("xla", "pallas"), default="xla",
+                    help="decode steps, verify windows and commit by replay: the XLA references or the Pallas "
+                         "slot-pool kernels (kda_recurrent_dense, kda_commit_dense)")
     a = ap.parse_args()
     cfg, params = mid_model()
-    kernels = Kernels(chunk_kda=chunk_kda if a.kernels == "pallas" else Kernels.chunk_kda,
-                      kda_commit=kda_commit_dense if a.commit == "pallas" else Kernels.kda_commit)
+    kernels = Kernels(chunk_kda=chunk_kda if a.kernels == "pallas" else Kernels.chunk_kda)
+    if a.decode == "pallas":
+        kernels = replace(kernels, recurrent_kda=kda_recurrent_dense, kda_commit=kda_commit_dense)
     kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256, kernels=kernels)
     rows = {}
     for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})):

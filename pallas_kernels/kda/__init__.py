@@ -6,6 +6,7 @@ from pallas_kernels.kda.decode import (
     kda_commit_snapshot,
     kda_commit_verify,
     kda_decode,
+    kda_recurrent_dense,
     kda_verify,
     kda_verify_snapshot,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "kda_commit_snapshot",
     "kda_commit_verify",
     "kda_decode",
+    "kda_recurrent_dense",
     "kda_verify",
     "kda_verify_snapshot",
     "plan_segments",

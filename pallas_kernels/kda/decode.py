@@ -139,7 +139,39 @@ def kda_commit_dense(state, k, v, g, beta, num_tokens, *, interpret=None, backen
     batch ``f32[B, HV, K, V]`` whose row ``b`` is slot ``b``; returns the committed states (the
     model's ``Kernels.kda_commit``)."""
     ids = np.arange(state.shape[0], dtype=np.int32)
-    return kda_commit(state.astype(jnp.float32), ids, k, v, g, beta, num_tokens, interpret=interpret, backend=backend)
+    state = jnp.array(state, jnp.float32, copy=True)  # the kernel donates the pool; the caller keeps its state
+    return kda_commit(state, ids, k, v, g, beta, num_tokens, interpret=interpret, backend=backend)
+
+
+def kda_recurrent_dense(q, k, v, g, beta, *, initial_state, scale=None, interpret=None, backend=None):
+    """Short pieces with the contract of :func:`k3jax.ops.kda.naive_recurrent_kda` (``q, k
+    [B, T, H, K]`` ..., ``initial_state f32[B, HV, K, V]``; returns ``(o, final_state)``) on the
+    slot-pool kernels, row ``b`` being slot ``b``: T = 1 is one :func:`kda_decode` step; T > 1
+    is :func:`kda_verify` (outputs) and :func:`kda_commit` of all T positions (the state). Under
+    ``jax.vmap`` (the serving engine maps its per-sequence model over slots) the mapped axis
+    folds into the kernels' rows, so one kernel call serves every slot (the model's
+    ``Kernels.recurrent_kda``)."""
+    kw = dict(interpret=interpret, backend=backend)
+
+    def run(q, k, v, g, beta, S):
+        B, T = k.shape[:2]
+        ids = np.arange(B, dtype=np.int32)
+        if T == 1:
+            o, S = kda_decode(S, ids, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], scale=scale, **kw)
+            return o[:, None], S
+        o = kda_verify(S, ids, q, k, v, g, beta, scale=scale, **kw)
+        return o, kda_commit(S, ids, k, v, g, beta, np.full(B, T, np.int32), **kw)
+
+    batched = jax.custom_batching.custom_vmap(run)
+
+    @batched.def_vmap
+    def _fold(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        outs = run(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+        return tuple(x.reshape(axis_size, -1, *x.shape[1:]) for x in outs), (True, True)
+
+    # A copy: the kernels donate the pool, the caller keeps its initial state.
+    return batched(q, k, v, g, beta, jnp.array(initial_state, jnp.float32, copy=True))
 
 
 def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta, *, scale=None, interpret=None,

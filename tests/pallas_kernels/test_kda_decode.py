@@ -259,3 +259,32 @@ def test_commit_fused_into_next_verify(run):
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_want), rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(o[1]) == 0)
     np.testing.assert_array_equal(np.asarray(fused)[[1, 2, 3]], before[[1, 2, 3]])
+
+
+@pytest.mark.parametrize("run", [pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
+                                 pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu)])
+def test_dense_adapters_match_the_references_and_fold_vmap(run):
+    """``kda_recurrent_dense`` (T = 1: the decode step; T = 5: verify + commit) and
+    ``kda_commit_dense`` against the references; under ``jax.vmap`` of one-row calls (the
+    engine's per-slot model) each is still one kernel call, with the same results; the
+    caller's state survives the kernels' donation. (Backend-agnostic code: the generic
+    interpreter suffices on CPU.)"""
+    if not run["interpret"] and jax.default_backend() == "cpu":
+        pytest.skip("compiled kernels need an accelerator")
+    B, H, HV, K, V = 3, 1, 2, 16, 16
+    h0 = random_state(1, (B, HV, K, V))
+    one = lambda x: x[None]
+    for T in (1, 5):
+        x = kda_inputs(T, B, T, H, HV, K, V)
+        o, s = kda.kda_recurrent_dense(*x, initial_state=h0, **run)
+        o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
+        assert_close(o, o_r, "f32_out")
+        assert_close(s, s_r, "f32_state")
+        rows = lambda *a: kda.kda_recurrent_dense(*map(one, a[:5]), initial_state=one(a[5]), **run)
+        assert str(jax.make_jaxpr(jax.vmap(rows))(*x, h0)).count("pallas_call") == (1 if T == 1 else 2)
+        o2, s2 = jax.jit(jax.vmap(rows))(*x, h0)
+        assert_close(o2[:, 0], o_r, "f32_out")
+        assert_close(s2[:, 0], s_r, "f32_state")
+    n = jnp.array([0, 2, 5], jnp.int32)
+    assert_close(kda.kda_commit_dense(h0, *x[1:], n, **run), ref.kda_commit(h0, *x[1:], n), "f32_state")
+    assert np.isfinite(np.asarray(h0)).all()  # not deleted by donation

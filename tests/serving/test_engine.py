@@ -169,20 +169,23 @@ def test_default_kernels_pick_pallas_prefill_on_gpu_only():
     assert default_kernels(replace(cfg, linear_head_dim=24), "gpu").chunk_kda is chunk_kda
 
 
-def test_pallas_commit_kernel_swaps_in(plain):
-    """Speculative decoding with the Pallas commit-by-replay kernel (the GPU kernel, interpreted
-    on CPU) as ``Kernels.kda_commit``: windows accepting all, some or none of their drafts, the
-    plain greedy tokens."""
+@pytest.mark.slow  # about 50 s: the interpreted kernels compile for every piece length
+def test_pallas_decode_kernels_swap_in(plain):
+    """The Pallas slot-pool kernels (the GPU kernels, interpreted on CPU) as ``Kernels.recurrent_kda``
+    (decode steps, verify windows, short prefill tails) and ``Kernels.kda_commit`` (commit by
+    replay), with speculation accepting all, some or none of the drafts: the plain greedy tokens."""
     from functools import partial
 
     from k3jax.model import Kernels
-    from pallas_kernels.kda import kda_commit_dense
+    from pallas_kernels.kda import kda_commit_dense, kda_recurrent_dense
 
     ps = [prompt(10, 40), prompt(13, 17)]
     want = [r.token_ids for r in plain.generate(ps, max_tokens=12)]
+    gpu = dict(backend="gpu", interpret=True)
     e = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3,
                drafter=OracleDrafter(list(zip(ps, want))),
-               kernels=Kernels(kda_commit=partial(kda_commit_dense, backend="gpu", interpret=True)))
+               kernels=Kernels(recurrent_kda=partial(kda_recurrent_dense, **gpu),
+                               kda_commit=partial(kda_commit_dense, **gpu)))
     assert [r.token_ids for r in e.generate(ps, max_tokens=12)] == want
     assert 0 < e.metrics["spec_accepted"] < e.metrics["spec_proposed"]
 

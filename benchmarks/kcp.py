@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--segments", type=int, default=None,
                     help="Pallas: segments per rank for the per-shard op (its summary pass runs anyway); default: planner")
     a = ap.parse_args()
+    if a.segments and a.kernel != "pallas":
+        ap.error("--segments needs --kernel pallas")
     n_dev = len(jax.devices())
     kernel = pallas_chunk_kda if a.kernel == "pallas" else chunk_kda
     one = jax.jit(kernel)  # the one-device baseline keeps the planner's choice

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from dataclasses import replace
 import json
 import time
 
@@ -64,9 +63,10 @@ def main():
                          "slot-pool kernels (kda_recurrent_dense, kda_commit_dense)")
     a = ap.parse_args()
     cfg, params = mid_model()
-    kernels = Kernels(chunk_kda=chunk_kda if a.kernels == "pallas" else Kernels.chunk_kda)
+    ops = {"chunk_kda": chunk_kda} if a.kernels == "pallas" else {}
     if a.decode == "pallas":
-        kernels = replace(kernels, recurrent_kda=kda_recurrent_dense, kda_commit=kda_commit_dense)
+        ops.update(recurrent_kda=kda_recurrent_dense, kda_commit=kda_commit_dense)
+    kernels = Kernels(**ops)
     kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256, kernels=kernels)
     rows = {}
     for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})):

@@ -28,6 +28,7 @@ import numpy as np
 from k3jax.model import (Kernels, ModelCache, ModelConfig, commit_window, forward, init_cache, init_params,
                          load_hf_checkpoint)
 from pallas_kernels.kda import chunk_kda as pallas_chunk_kda
+from pallas_kernels.kda.prefill import gpu_head_dims_ok
 from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
 from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
 
@@ -38,9 +39,8 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def default_kernels(cfg: ModelConfig, backend: str | None = None) -> Kernels:
     """The device ops used when none are given: on a GPU the Pallas chunked prefill (measured
     faster end to end on the H200, docs/benchmarks.md) when the KDA head size suits its
-    kernels (a power of two >= 16); the XLA paths elsewhere (TPU: not yet measured)."""
-    d = cfg.linear_head_dim
-    if (backend or jax.default_backend()) == "gpu" and d >= 16 and d & (d - 1) == 0:
+    kernels; the XLA paths elsewhere (TPU: not yet measured)."""
+    if (backend or jax.default_backend()) == "gpu" and gpu_head_dims_ok(cfg.linear_head_dim):
         return Kernels(chunk_kda=pallas_chunk_kda)
     return Kernels()
 

@@ -255,17 +255,27 @@ def chunk_summary(p: ChunkPrep):
     return M, E
 
 
+def combine_segments(first, second):
+    """Compose two segment maps, ``first`` applied before ``second``: ``(M2 M1, M2 E1 + E2)``.
+
+    Args:
+      first, second: ``(M [..., HV, K, K], E [..., HV, K, V])`` with broadcastable leading axes.
+    """
+    M1, E1 = first
+    M2, E2 = second
+    return _einsum("...ij,...jk->...ik", M2, M1), _einsum("...ij,...jv->...iv", M2, E1) + E2
+
+
 def _sequence_maps(prep: ChunkPrep, lay, N):
     """Each sequence's state map ``(M f32[N, HV, K, K], E f32[N, HV, K, V])`` from its chunks' maps:
     a segmented associative scan (a sequence's first chunk restarts it); identity when empty."""
     M, E = chunk_summary(prep)
 
     def combine(a, b):
-        fa, Ma, Ea = a
-        fb, Mb, Eb = b
+        (fa, *ma), (fb, *mb) = a, b
         restart = fb[:, None, None, None]
-        M = jnp.where(restart, Mb, _einsum("...ij,...jk->...ik", Mb, Ma))
-        return fa | fb, M, jnp.where(restart, Eb, _einsum("...ij,...jv->...iv", Mb, Ea) + Eb)
+        M, E = combine_segments(ma, mb)
+        return fa | fb, jnp.where(restart, mb[0], M), jnp.where(restart, mb[1], E)
 
     _, M, E = jax.lax.associative_scan(combine, (lay.first, M, E))
     has = (lay.cstart[1:] > lay.cstart[:-1])[:, None, None, None]

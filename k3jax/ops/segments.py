@@ -11,30 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda import _check_inputs, _einsum, chunk_kda, sequence_maps
+from k3jax.ops.kda import _check_inputs, _einsum, chunk_kda, combine_segments, sequence_maps
 
-
-def kda_segment_summary(k, v, g, beta, *, chunk_size: int = 64):
-    """The affine state map of each row's whole segment.
-
-    Args:
-      k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``.
-      chunk_size: 16, 32 or 64.
-    Returns:
-      ``(M f32[B, HV, K, K], E f32[B, HV, K, V])`` with ``final = M @ initial + E`` per head.
-    """
-    return sequence_maps(k, v, g, beta, chunk_size=chunk_size)
-
-
-def combine_segments(first, second):
-    """Compose two segment maps, ``first`` applied before ``second``: ``(M2 M1, M2 E1 + E2)``.
-
-    Args:
-      first, second: ``(M [..., HV, K, K], E [..., HV, K, V])`` with broadcastable leading axes.
-    """
-    M1, E1 = first
-    M2, E2 = second
-    return _einsum("...ij,...jk->...ik", M2, M1), _einsum("...ij,...jv->...iv", M2, E1) + E2
+__all__ = ["apply_segment", "chunk_kda_segmented", "combine_segments", "segment_initial_states"]
 
 
 def apply_segment(summary, state):
@@ -73,7 +52,7 @@ def chunk_kda_segmented(
     # Zero tokens (k = 0, beta = 0, g = 0) are the identity map, so padding the tail is exact.
     pad = lambda x: jnp.pad(x, [(0, 0), (0, P * L - T)] + [(0, 0)] * (x.ndim - 2)).reshape(B * P, L, *x.shape[2:])
     qs, ks, vs, gs, bs = (pad(x) for x in (q, k, v, g, beta))
-    M, E = kda_segment_summary(ks, vs, gs, bs, chunk_size=chunk_size)
+    M, E = sequence_maps(ks, vs, gs, bs, chunk_size=chunk_size)
     init = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     starts = segment_initial_states((M.reshape(B, P, HV, K, K), E.reshape(B, P, HV, K, V)), init)
     o, final = chunk_kda(

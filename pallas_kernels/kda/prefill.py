@@ -44,6 +44,11 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     return P if P >= 3 else 1
 
 
+def gpu_head_dims_ok(*dims) -> bool:
+    """Whether the GPU kernels take these head sizes (powers of two >= 16)."""
+    return all(d >= 16 and not d & (d - 1) for d in dims)
+
+
 def default_precision(precision, dtype):
     """A GPU matmul precision: ``precision`` if given, else single-pass TF32 for 16-bit ``dtype``
     (outputs round to 8 bits anyway), TF32x3 (float32-accurate) for float32."""
@@ -111,7 +116,7 @@ def chunk_kda(
     kind = _backend(backend)
     if kind == "tpu" and num_segments not in (None, 1):
         raise ValueError("segment-parallel prefill is implemented for the GPU kernels only (num_segments must be 1)")
-    if kind == "gpu" and any(d < 16 or d & (d - 1) for d in (K, V)):
+    if kind == "gpu" and not gpu_head_dims_ok(K, V):
         raise ValueError(f"the GPU kernels need K and V to be powers of two >= 16, got K={K}, V={V}")
     if num_segments is not None and num_segments < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")

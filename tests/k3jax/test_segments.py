@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from k3jax.ops import kda, segments
 from tests.helpers import assert_close, kda_inputs, random_state, rel_rms
 
-summary = jax.jit(segments.kda_segment_summary, static_argnames="chunk_size")
+summary = jax.jit(kda.sequence_maps, static_argnames="chunk_size")
 
 
 @given(T=st.sampled_from([1, 20, 64, 100]), seed=st.integers(0, 2**16))

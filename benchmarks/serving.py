@@ -1,7 +1,7 @@
 """End-to-end serving on a mid-sized random config: prefix cache on vs off on a multi-turn
 workload, and speculative decoding on vs off on a repetitive workload.
 
-Run: ``PYTHONPATH=$PWD python3 -m benchmarks.serving`` (writes ``$OUT/serving.json``).
+Run: ``PYTHONPATH=$PWD python3 -m benchmarks.serving`` (writes ``$OUT/serving-<kernels>-<decode>.json``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def multi_turn(engine, convs, turns, first, step_tokens, out_tokens, seed=0):
 def repetitive(engine, n, out_tokens, seed=1):
     rng = np.random.default_rng(seed)
     pats = [list(rng.integers(3, engine.cfg.vocab_size, 16)) * 8 for _ in range(n)]
-    engine.generate(pats, max_tokens=8)  # warm the shapes (verify and commit too)
+    engine.warmup()  # verify and commit too: random weights rarely let the n-gram drafter propose
+    engine.generate(pats, max_tokens=8)
     engine.metrics.update(spec_proposed=0, spec_accepted=0)
     t0 = time.perf_counter()
     res = engine.generate(pats, max_tokens=out_tokens)
@@ -61,7 +62,9 @@ def main():
     ap.add_argument("--decode", choices=("xla", "pallas"), default="xla",
                     help="decode steps, verify windows and commit by replay: the XLA references or the Pallas "
                          "slot-pool kernels (kda_recurrent_dense, kda_commit_dense)")
+    ap.add_argument("--parts", default="cache,spec", help="comma list: cache (prefix cache on/off), spec (speculation on/off)")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     cfg, params = mid_model()
     ops = {"chunk_kda": chunk_kda} if a.kernels == "pallas" else {}
     if a.decode == "pallas":
@@ -69,12 +72,14 @@ def main():
     kernels = Kernels(**ops)
     kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256, kernels=kernels)
     rows = {}
-    for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})):
+    for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})) if "cache" in parts else ():
         e = Engine((cfg, params), **kw, **opts)
         multi_turn(e, 1, 2, 1024, 512, 16, seed=99)  # compile (two turns: the cache-hit path too)
         e.metrics["cached_tokens"] = 0
         rows[name] = multi_turn(e, a.convs, a.turns, 1024, 512, 16)
         print(name, rows[name], flush=True)
+    if "spec" not in parts:
+        return finish(rows, a)
     for name, spec in (("spec_off", 0), ("spec_on", 3)):
         e = Engine((cfg, params), **kw, prefix_cache=False, speculative=spec)
         rows[name] = repetitive(e, a.convs, 48)
@@ -83,12 +88,16 @@ def main():
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     step_s = a.convs / rows["spec_off"]["decode_tokens_per_s"]
     rows["decode_bandwidth_fraction"] = param_bytes / HBM_BYTES_PER_S / step_s
-    rows["meta"] = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-                    "config": "benchmarks/model.py MID, bf16 random weights", **vars(a)}
     for k in ("spec_on", "spec_off"):
         rows[k].pop("outputs")
+    finish(rows, a)
+
+
+def finish(rows, a):
+    rows["meta"] = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+                    "config": "benchmarks/model.py MID, bf16 random weights", **vars(a)}
     print(json.dumps(rows, indent=1))
-    write_json(rows, "serving.json")
+    write_json(rows, f"serving-{a.kernels}-{a.decode}.json")
 
 
 if __name__ == "__main__":

@@ -280,6 +280,32 @@ class Engine:
         self.caches = _restore_slot(self._kda_shapes, self._mla_shape, self.caches, self.pool.words, slot, ids[0],
                                     mla_ids, hit)
 
+    def warmup(self, prefill: bool = True):
+        """Compile what the loop runs, on an idle engine, so no request pays a compilation: the
+        decode step, verify and commit when speculating, and with ``prefill`` every prefill
+        bucket (powers of two up to the step budget). Slots are reset at admission, so the
+        dummy calls leave nothing behind."""
+        if self.running:
+            raise RuntimeError("warmup() needs an idle engine")
+        run = (self.cfg, self.kernels)
+        idle = jnp.zeros(self.max_slots, bool)
+        self._note_compile(("decode", self.max_slots))
+        _, self.caches = _decode(*run, self.params, jnp.zeros(self.max_slots, jnp.int32), self.caches, idle)
+        if self.speculative:
+            S = self.speculative
+            self._note_compile(("verify", self.max_slots, S + 1))
+            _, after, win = _verify(*run, self.params, jnp.zeros((self.max_slots, S + 1), jnp.int32), self.caches)
+            self._note_compile(("commit", self.max_slots, S + 1))
+            self.caches = _commit(*run, self.caches, after, win, jnp.ones(self.max_slots, jnp.int32), idle)
+        n = 1
+        while prefill and n <= min(self.prefill_chunk, self.H, self.max_len):
+            self._note_compile(("prefill", n))
+            _, self.caches = _prefill(*run, self.params, jnp.zeros(n, jnp.int32), self.caches, 0)
+            c = jax.tree.map(lambda x: jnp.zeros_like(x[0]), self.caches)
+            self.caches = _set_slot(self.caches, 0, c.kda_state, c.conv_state, c.mla_kv, c.pos)
+            n *= 2
+        jax.block_until_ready(self.caches)
+
     def _decode_step(self):
         dec = [r for r in self.running.values() if r.done == len(r.tokens) - 1 and r.out]
         if self.speculative:

@@ -228,6 +228,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(a.model)
     print("k3jax-serve: compiling (first request shapes) ...", flush=True)
     t0 = time.perf_counter()
+    engine.warmup(prefill=False)
     engine.generate([[3] * 8], max_tokens=2)
     print(f"k3jax-serve: warm in {time.perf_counter() - t0:.1f} s", flush=True)
     server, _ = serve(engine, tokenizer, host=a.host, port=a.port, model_name=a.model)

@@ -138,12 +138,17 @@ def test_speculation_backs_off_when_nothing_is_accepted(plain):
     want = plain.generate([p], max_tokens=24)[0].token_ids
     wrong = OracleDrafter([(p, [(t + 1) % 256 for t in want])])  # every position wrong
     e = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3, drafter=wrong)
+    e.warmup(prefill=False)  # then the loop's decode, verify and commit shapes compile no more
+    from serving import engine as eng
+
+    compiled = [f._cache_size() for f in (eng._decode, eng._verify, eng._commit)]
     for backoff, proposed in ((16, 15), (0, 63)):
         e.spec_backoff = backoff
         e.metrics.update(spec_proposed=0, spec_accepted=0)
         assert e.generate([p], max_tokens=24)[0].token_ids == want
         assert e.metrics["spec_accepted"] == 0
         assert e.metrics["spec_proposed"] == proposed
+    assert [f._cache_size() for f in (eng._decode, eng._verify, eng._commit)] == compiled
 
 
 def test_ngram_drafter():

@@ -41,7 +41,7 @@ def multi_turn(engine, convs, turns, first, step_tokens, out_tokens, seed=0):
 def repetitive(engine, n, out_tokens, seed=1):
     rng = np.random.default_rng(seed)
     pats = [list(rng.integers(3, engine.cfg.vocab_size, 16)) * 8 for _ in range(n)]
-    engine.warmup()  # verify and commit too: random weights rarely let the n-gram drafter propose
+    engine.warmup(prefill=False)  # verify and commit: random weights rarely let the n-gram drafter propose
     engine.generate(pats, max_tokens=8)
     engine.metrics.update(spec_proposed=0, spec_accepted=0)
     t0 = time.perf_counter()

@@ -13,8 +13,9 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
   The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as two
-  kernels: per 16-row sub-chunk (:func:`_rows_body`: diagonal blocks as a broadcast
-  reduced over K, the diagonal inverse by block doubling), then per chunk the inverse merge
+  kernels: per 16-row sub-chunk (:func:`_rows_body`: one matmul per earlier block, the
+  diagonal block as a broadcast reduced over K, its inverse by block doubling), then per
+  chunk the inverse merge
   (:func:`_merge_inverse`) and W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
   V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels split
@@ -162,19 +163,22 @@ def _merge_inverse(X, N, b0, precision):
 
 
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
-               inv_precision, k_piece=32):
-    """GPU stage 1, kernel A: one 16-row sub-chunk (``program_id(2)``) of one chunk and head.
+               k_piece=32):
+    """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
 
-    Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Off-diagonal blocks: one
-    matmul anchored at the sub-chunk's first row. Diagonal block: exact pairwise differences
-    of a local gate cumsum, a ``[16, 16, k_piece]`` broadcast per slice of K reduced over K;
-    its unit lower inverse by block doubling (1 -> 16). Writes ``qg [16, K]``, ``Aqk [16, C]``
-    (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal block, zero from it on) and
-    the diagonal block's inverse ``Xd [16, 16]``.
+    Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Blocks left of the diagonal
+    (``j < i``): one ``[16, 16]`` matmul each, both factors anchored at the sub-chunk's first row
+    (exponents <= 0), stored at their columns; blocks right of it are zeros. Diagonal block: exact
+    pairwise differences of a local gate cumsum, a ``[16, 16, k_piece]`` broadcast per slice of K
+    reduced over K; its unit lower inverse by block doubling (1 -> 16) in IEEE float32 (FMA
+    products: for 16 x 16 tiles faster than TF32x3 tensor-core passes, and exact). Writes
+    ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal
+    block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
     """
     C, K = k_ref.shape
     kp = min(k_piece, K)
-    start = pl.multiple_of(pl.program_id(2) * SUB, SUB)
+    i = pl.program_id(2)
+    start = pl.multiple_of(i * SUB, SUB)
     rows = pl.ds(start, SUB)
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
     causal = (r16 >= c16)[:, :, None]
@@ -183,10 +187,23 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     ki = k_ref[rows, :].astype(_F32)
     bi = beta_ref[rows, :].astype(_F32)
     Gi = G_ref[rows, :]
-    anchor = _pick_row(Gi, 0)
+    anchor = G_ref[pl.ds(start, 1), :]
     to_anchor = jnp.exp(Gi - anchor)
-    # Columns of earlier sub-chunks, anchored at this sub-chunk's first row (exponents <= 0).
-    k_anc = k_ref[...].astype(_F32) * jnp.exp(jnp.where(_iota((C, 1), 0) < start, anchor - G_ref[...], -jnp.inf))
+    qa, ka = qi * to_anchor, ki * to_anchor
+    zero = jnp.zeros((SUB, SUB), _F32)
+
+    def earlier(j, carry):
+        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+        kj = k_ref[cols, :].astype(_F32) * jnp.exp(anchor - G_ref[cols, :])  # G decreases: exponent <= 0
+        aqk_ref[:, cols] = scale * _dot_nt(qa, kj, precision)
+        n_ref[:, cols] = bi * _dot_nt(ka, kj, precision)
+        return carry
+
+    def later(j, carry):
+        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+        aqk_ref[:, cols] = zero
+        n_ref[:, cols] = zero
+        return carry
 
     def piece(p, A):
         cols = pl.ds(pl.multiple_of(p * kp, kp), kp)
@@ -196,14 +213,14 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         return (A[0] + jnp.sum(q_ref[rows, cols].astype(_F32)[:, None, :] * e, axis=2),
                 A[1] + jnp.sum(kq[:, None, :] * e, axis=2))
 
-    zero = jnp.zeros((SUB, SUB), _F32)
+    jax.lax.fori_loop(0, i, earlier, 0)
+    jax.lax.fori_loop(i + 1, C // SUB, later, 0)
     Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
-    P = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
+    aqk_ref[:, rows] = scale * Aqk_d
+    n_ref[:, rows] = zero
     qg_ref[...] = scale * qi * jnp.exp(Gi)
-    aqk_ref[...] = scale * (_dot_nt(qi * to_anchor, k_anc, precision) + _dot_nt(Aqk_d, P, precision))
-    n_ref[...] = bi * _dot_nt(ki * to_anchor, k_anc, precision)
     xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32),
-                                 bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, inv_precision)
+                                 bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, _HI)
 
 
 def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
@@ -231,9 +248,9 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, compi
     ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
     kernel B over ``(chunk, head)`` merges the inverse (16 -> C) and writes W, U, kd^T, decay.
     Token-major inputs ``q, k [TT, H, K]``, ``v [TT, HV, V]``, ``g [TT, HV, K]``,
-    ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for the
-    inverse (its doubling steps and the spread of its diagonal blocks), ``precision`` for the
-    products (Aqk, Akk, W, U).
+    ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for kernel B's
+    inverse merge (its doubling steps and the spread of the diagonal blocks; kernel A's 16 x 16
+    inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U).
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -242,7 +259,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, compi
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
     qg, aqk, N, Xd = pl.pallas_call(
-        partial(_rows_body, scale=scale, precision=precision, inv_precision=inv_precision),
+        partial(_rows_body, scale=scale, precision=precision),
         grid=(NC, HV, ns),
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],

@@ -144,6 +144,8 @@ def test_plan_segments():
     assert plan(1, 32) == 1  # 64 programs: heads already fill the device
     assert plan(1, 4) >= 4 and plan(1, 12) == 3
     assert plan(1, 4, max_chunks=32) == 1  # too short to split
+    assert plan(1, 32, summary_paid=True) == 3  # the summary runs anyway: fill the SMs
+    assert plan(1, 128, summary_paid=True) == 1 and plan(1, 32, max_chunks=32, summary_paid=True) == 2
     assert prefill.plan_segments(1, 4, 128, 2048, backend="tpu") == 1
 
 

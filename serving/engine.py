@@ -126,8 +126,9 @@ class Engine:
         :func:`default_kernels`).
       speculative: drafts per step for greedy requests (0 = off); drafter: a :class:`Drafter`
         (default: :class:`NgramDrafter`); spec_backoff: after ``m`` consecutive windows with no
-        draft accepted, a request decodes plainly for ``min(2^(m-1), spec_backoff)`` steps
-        before drafting again (0: never back off). Rows with no drafts decode plainly.
+        draft accepted, a request proposes no drafts for ``min(2^(m-1), spec_backoff)`` steps
+        (0: never back off). In a step where any row drafts, the rows without drafts (backing
+        off, sampled, no n-gram match) decode inside the same verify window, one forward per step.
     """
 
     def __init__(self, model="tiny", *, max_slots: int = 4, max_len: int = 2048, prefill_chunk: int = 256,
@@ -318,9 +319,9 @@ class Engine:
                     r.spec_wait -= 1
                 elif d := self._draft(r):
                     drafts[r.rid] = d
-            if drafts:
-                self._spec_step([r for r in dec if r.rid in drafts], drafts)
-                dec = [r for r in dec if r.rid not in drafts]
+            if drafts:  # rows without drafts ride in the same window (one token): one forward per step
+                self._spec_step([r for r in dec if r.done <= fits], drafts)
+                dec = [r for r in dec if r.done > fits]
         if not dec:
             return
         tokens = np.zeros(self.max_slots, np.int32)
@@ -399,22 +400,25 @@ class Engine:
         return self.drafter.propose(r.tokens, min(self.speculative, room)) if room > 0 else []
 
     def _spec_step(self, rows: list[_Req], drafts: dict[int, list[int]]):
-        """Speculative decode for greedy requests, batched over slots: verify ``[last] + drafts``
-        of every row in one forward, keep each row's agreeing prefix plus the bonus token, and
-        rebuild each state after exactly those tokens by replaying the window's cached
-        projections (one batched commit)."""
+        """Speculative decode, batched over slots: verify ``[last] + drafts`` of every row in one
+        forward (a row without drafts is a window of one token, greedy or sampled), keep each
+        row's agreeing prefix plus the next token, and rebuild each state after exactly those
+        tokens by replaying the window's cached projections (one batched commit)."""
         S = self.speculative
         windows = np.zeros((self.max_slots, S + 1), np.int32)
         active = np.zeros(self.max_slots, bool)
         for r in rows:
-            d = drafts[r.rid]
+            d = drafts.get(r.rid, [])
             windows[r.slot, 0], windows[r.slot, 1 : 1 + len(d)] = r.out[-1], d
             active[r.slot] = True
         self._note_compile(("verify", self.max_slots, S + 1))
         logits, after, win = _verify(self.cfg, self.kernels, self.params, jnp.asarray(windows), self.caches)
-        preds = np.argmax(np.asarray(logits), axis=-1)
+        logits = np.asarray(logits)
+        preds = np.argmax(logits, axis=-1)
         accepted = np.zeros(self.max_slots, np.int32)
         for r in rows:
+            if r.rid not in drafts:
+                continue
             d = drafts[r.rid]
             n = 0
             while n < len(d) and d[n] == preds[r.slot, n]:
@@ -436,7 +440,7 @@ class Engine:
             else:
                 r.done += 1 + n
                 if self._after_forward(r):
-                    self._emit_token(r, int(preds[r.slot, n]))
+                    self._emit(r, logits[r.slot, n])  # greedy rows: preds[r.slot, n]
 
     def _emit(self, r: _Req, logits: np.ndarray):
         self._emit_token(r, sample(logits, r.sp, len(r.out)))

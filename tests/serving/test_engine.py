@@ -151,6 +151,30 @@ def test_speculation_backs_off_when_nothing_is_accepted(plain):
     assert [f._cache_size() for f in (eng._decode, eng._verify, eng._commit)] == compiled
 
 
+def test_rows_without_drafts_ride_in_the_verify_window(plain, monkeypatch):
+    """While a greedy row drafts, a sampled row decodes inside the same verify window (a window
+    of one token): no separate decode call for it, and its seeded samples equal plain decoding's."""
+    from serving import engine as eng
+
+    g, s = prompt(16, 20), prompt(17, 12)
+    sp = SamplingParams(max_tokens=5, temperature=0.8, seed=3)
+
+    def run(e):
+        reqs = [e.submit(g, SamplingParams(max_tokens=24)), e.submit(s, sp)]
+        while not all(r.finished.is_set() for r in reqs):
+            e.step()
+        return [r.result.token_ids for r in reqs]
+
+    want = run(plain)
+    spec = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3,
+                  drafter=OracleDrafter([(g, want[0])]))
+    decode, calls = eng._decode, []
+    monkeypatch.setattr(eng, "_decode", lambda *a: calls.append(1) or decode(*a))
+    assert run(spec) == want
+    assert spec.metrics["spec_accepted"] > 0
+    assert len(calls) <= 2  # only steps where no row drafts (the greedy row's last tokens); 4 before
+
+
 def test_ngram_drafter():
     from serving.engine import NgramDrafter
 

@@ -74,7 +74,7 @@ def _decays(k, G, kdT_ref, decay_ref):
     GT = G.T
     GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
     decay_ref[...] = jnp.exp(GlastT)
-    kdT_ref[...] = k.T * jnp.exp(GlastT - GT)
+    kdT_ref[...] = (k.T * jnp.exp(GlastT - GT)).astype(kdT_ref.dtype)
 
 
 def _gates(g_ref, k_ref, kdT_ref, decay_ref):
@@ -195,13 +195,13 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     def earlier(j, carry):
         cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
         kj = k_ref[cols, :].astype(_F32) * jnp.exp(anchor - G_ref[cols, :])  # G decreases: exponent <= 0
-        aqk_ref[:, cols] = scale * _dot_nt(qa, kj, precision)
+        aqk_ref[:, cols] = (scale * _dot_nt(qa, kj, precision)).astype(aqk_ref.dtype)
         n_ref[:, cols] = bi * _dot_nt(ka, kj, precision)
         return carry
 
     def later(j, carry):
         cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
-        aqk_ref[:, cols] = zero
+        aqk_ref[:, cols] = zero.astype(aqk_ref.dtype)
         n_ref[:, cols] = zero
         return carry
 
@@ -216,9 +216,9 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     jax.lax.fori_loop(0, i, earlier, 0)
     jax.lax.fori_loop(i + 1, C // SUB, later, 0)
     Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
-    aqk_ref[:, rows] = scale * Aqk_d
+    aqk_ref[:, rows] = (scale * Aqk_d).astype(aqk_ref.dtype)
     n_ref[:, rows] = zero
-    qg_ref[...] = scale * qi * jnp.exp(Gi)
+    qg_ref[...] = (scale * qi * jnp.exp(Gi)).astype(qg_ref.dtype)
     xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32),
                                  bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, _HI)
 
@@ -238,11 +238,12 @@ def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_
     X = jnp.where(jax.lax.div(r, SUB) == jax.lax.div(c, SUB), _dot(xd_ref[...], spread, inv_precision), 0.0)
     X = _merge_inverse(X, n_ref[...], SUB, inv_precision)
     beta = beta_ref[...].astype(_F32)
-    w_ref[...] = _dot(X, beta * k * jnp.exp(G), precision)
-    u_ref[...] = _dot(X, beta * v_ref[...].astype(_F32), precision)
+    w_ref[...] = _dot(X, beta * k * jnp.exp(G), precision).astype(w_ref.dtype)
+    u_ref[...] = _dot(X, beta * v_ref[...].astype(_F32), precision).astype(u_ref.dtype)
 
 
-def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, compiler_params=None, interpret=False):
+def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, compiler_params=None,
+                  interpret=False):
     """GPU stage 1 as two kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200): the chunk-local gate cumsum in XLA; kernel A over
     ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
@@ -250,20 +251,23 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, compi
     Token-major inputs ``q, k [TT, H, K]``, ``v [TT, HV, V]``, ``g [TT, HV, K]``,
     ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for kernel B's
     inverse merge (its doubling steps and the spread of the diagonal blocks; kernel A's 16 x 16
-    inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U).
+    inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U). ``store_dtype``
+    is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T, W, U; bfloat16 halves their
+    traffic); the inverse's pieces and decay stay float32.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
     G = jnp.cumsum(g.astype(_F32).reshape(NC, C, HV, K), axis=1).reshape(TT, HV, K)
     tok = lambda width, qk: pl.BlockSpec((C, None, width), lambda c, h, *_: (c, h // rep if qk else h, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
+    st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
     qg, aqk, N, Xd = pl.pallas_call(
         partial(_rows_body, scale=scale, precision=precision),
         grid=(NC, HV, ns),
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
-        out_shape=[f32(HV, TT, K), f32(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
+        out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
         compiler_params=compiler_params,
         interpret=interpret,
     )(q, k, g, G, beta)
@@ -274,7 +278,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, compi
         grid=(NC, HV),
         in_specs=[tok(K, True), tok(V, False), tok(K, False), tok(1, False), rows(C), rows(SUB)],
         out_specs=[per_chunk(C), rows(K), rows(V), per_chunk(1)],
-        out_shape=[f32(HV, NC, K, C), f32(HV, TT, K), f32(HV, TT, V), f32(HV, NC, K, 1)],
+        out_shape=[st(HV, NC, K, C), st(HV, TT, K), st(HV, TT, V), f32(HV, NC, K, 1)],
         compiler_params=compiler_params,
         interpret=interpret,
     )(k, v, G, beta, N, Xd)

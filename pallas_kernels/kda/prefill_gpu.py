@@ -47,11 +47,11 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref,
 
     def body(c, S):
         rows = pl.ds(c * C, C)
-        v_new = u_scale * u_ref[h, rows, ucols] - _dot(w_ref[h, rows, :], S, precision)
+        v_new = u_scale * u_ref[h, rows, ucols].astype(_F32) - _dot(w_ref[h, rows, :].astype(_F32), S, precision)
         if not summary:
-            hs_ref[h, c, :, cols] = S  # the state entering the chunk, for out_call
-            vnew_ref[h, rows, cols] = v_new
-        S = decay_ref[h, c] * S + _dot(kdT_ref[h, c], v_new, precision)
+            hs_ref[h, c, :, cols] = S.astype(hs_ref.dtype)  # the state entering the chunk, for out_call
+            vnew_ref[h, rows, cols] = v_new.astype(vnew_ref.dtype)
+        S = decay_ref[h, c] * S + _dot(kdT_ref[h, c].astype(_F32), v_new, precision)
         if not summary:
             slot = ck_ref[c]
 
@@ -75,9 +75,10 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, b
     """Stage 2, the state recurrence only (two matmuls per chunk); :func:`out_call` then gives the outputs.
 
     ``prep`` is stage 1's output; ``init f32[Nv, HV, K, V]`` (ignored when ``summary``).
-    Returns ``(states f32[HV, NC, K, V], V_new f32[HV, TT, V], final f32[Nv, HV, K, V],
-    ckpts f32[n_ck_slots, HV, K, V])``: the state entering every chunk, ``U - W S`` of every
-    chunk, each virtual sequence's final state, and checkpoint slot ``ck_slot[c]`` written after
+    Returns ``(states [HV, NC, K, V], V_new [HV, TT, V], final f32[Nv, HV, K, V],
+    ckpts f32[n_ck_slots, HV, K, V])``: the state entering every chunk and ``U - W S`` of every
+    chunk (in stage 1's store dtype; the recurrence itself runs in float32), each virtual
+    sequence's final state, and checkpoint slot ``ck_slot[c]`` written after
     chunk ``c`` when ``>= 0`` (others untouched, so unwritten slots hold garbage); or
     ``f32[Nv, HV, K, K + V]`` (``[M | E]``) when ``summary``.
     """
@@ -93,7 +94,7 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, b
         out_shape = [jax.ShapeDtypeStruct((Nv, HV, K, width), _F32)]
         init = jnp.zeros((1, 1, 1, 1), _F32)
     else:
-        out_shape = [jax.ShapeDtypeStruct((HV, TT // kdT.shape[-1], K, V), _F32), jax.ShapeDtypeStruct((HV, TT, V), _F32),
+        out_shape = [jax.ShapeDtypeStruct((HV, TT // kdT.shape[-1], K, V), W.dtype), jax.ShapeDtypeStruct((HV, TT, V), W.dtype),
                      jax.ShapeDtypeStruct((Nv, HV, K, V), _F32), jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32)]
     outs = pl.pallas_call(
         functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else precision),
@@ -106,7 +107,8 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, b
 
 
 def _out_kernel(qg_ref, hs_ref, aqk_ref, vnew_ref, o_ref, *, precision):
-    o = _dot(qg_ref[...], hs_ref[...], precision) + _dot(aqk_ref[...], vnew_ref[...], precision)
+    f32 = lambda ref: ref[...].astype(_F32)
+    o = _dot(f32(qg_ref), f32(hs_ref), precision) + _dot(f32(aqk_ref), f32(vnew_ref), precision)
     o_ref[...] = o.astype(o_ref.dtype)
 
 

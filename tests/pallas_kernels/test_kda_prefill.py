@@ -127,6 +127,27 @@ def test_block_doubling_inverse_is_exact_elimination():
         assert_close(X, np.linalg.inv(np.eye(n) + N), "f32_out")
 
 
+@pytest.mark.parametrize("run", [pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
+                                 pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu)])
+def test_bf16_intermediates(run):
+    """GPU stages passing bfloat16 through memory: within bf16 tolerance of the reference
+    (outputs, final state, checkpoints), through the segment summary pass too, and not the
+    float32-intermediate result (the option takes effect)."""
+    B, T, H, HV, K, V = 1, 200, 1, 2, 32, 64
+    x = kda_inputs(5, B, T, H, HV, K, V, lower_bound=-5.0, dtype=jnp.bfloat16)
+    h0 = random_state(5, (B, HV, K, V))
+    kw = dict(initial_state=h0, checkpoint_stride=64, num_segments=2, **run)
+    o, s, ck = prefill.chunk_kda(*x, intermediate_dtype=jnp.bfloat16, **kw)
+    o32, _, _ = prefill.chunk_kda(*x, **kw)
+    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
+    _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, checkpoint_stride=64)
+    assert o.dtype == jnp.bfloat16 and s.dtype == ck.dtype == jnp.float32
+    assert_close(o, o_r, "bf16")
+    assert_close(s, s_r, "bf16")
+    assert_close(ck, ck_r, "bf16")
+    assert not bool(jnp.array_equal(o, o32))
+
+
 def test_bad_arguments_are_rejected():
     x = kda_inputs(7, 1, 32, 1, 1, 24, 16)
     with pytest.raises(ValueError, match="powers of two"):
@@ -135,6 +156,10 @@ def test_bad_arguments_are_rejected():
         prefill.chunk_kda(*x, backend="tpu", num_segments=2)
     with pytest.raises(ValueError, match="chunk_size"):
         prefill.chunk_kda(*x, chunk_size=128)
+    with pytest.raises(ValueError, match="GPU kernels only"):
+        prefill.chunk_kda(*x, backend="tpu", intermediate_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="intermediate_dtype"):
+        prefill.chunk_kda(*x, backend="tpu", intermediate_dtype=jnp.float16)
     with pytest.raises(ValueError, match="initial_state"):
         prefill.chunk_kda(*x, initial_state=jnp.zeros((2, 1, 24, 16)))
 
@@ -169,4 +194,5 @@ def test_kernels_lower_for_tpu_and_gpu():
         "tpu_custom_call") >= 2
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     assert _export("gpu", "cuda", h200).count("xla.gpu.triton") >= 5
+    assert _export("gpu", "cuda", h200, intermediate_dtype=jnp.bfloat16).count("xla.gpu.triton") >= 5
 

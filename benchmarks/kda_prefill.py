@@ -29,11 +29,11 @@ PREP_PRECISIONS = {"auto": None, "x3": GPU_PRECISION}
 INTERMEDIATES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
-def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype):
+def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype, diag_matmul):
     f = lambda x: x.reshape(-1, *x.shape[2:])
     return prefill.gpu_prep(f(q), f(k), f(v), f(g), f(beta)[..., None], C=64, scale=q.shape[-1] ** -0.5,
                             precision=prefill.default_precision(prep_precision, v.dtype), num_warps=num_warps,
-                            store_dtype=store_dtype)
+                            store_dtype=store_dtype, diag_matmul=diag_matmul)
 
 
 def main():
@@ -46,7 +46,12 @@ def main():
     ap.add_argument("--prep-precision", default="auto",
                     help="comma list: auto (single-pass TF32 products for bf16) and/or x3 (TF32x3 throughout)")
     ap.add_argument("--intermediates", default="f32", help="comma list: f32 and/or bf16 (what the stages pass through memory)")
+    ap.add_argument("--k3-gates", action="store_true", help="K3 gates (lower bound -5) instead of Kimi Linear ones")
+    ap.add_argument("--diag", default="exact", help="comma list: exact and/or bounded (gate_lower_bound=-5; needs --k3-gates)")
     a = ap.parse_args()
+    if "bounded" in a.diag and not a.k3_gates:
+        ap.error("--diag bounded needs --k3-gates")
+    bound = -5.0 if a.k3_gates else None
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     shapes = SHAPES if a.shapes is None else [tuple(map(int, s.split(","))) for s in a.shapes.split(";")]
@@ -63,53 +68,54 @@ def main():
 
     rows = []
     for B, T, H in shapes:
-        xs = [inputs(s, B, T, H) for s in (1, 2)]
+        xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
         planned = prefill.plan_segments(B, H, 128, T // 64, backend="gpu")
         sweep = [planned if p == "plan" else int(p) for p in a.segments.split(",")]
-        sweep = [(P, cfg, pp, im) for P in sweep for cfg in configs for pp in a.prep_precision.split(",")
-                 for im in a.intermediates.split(",")]
+        sweep = [(P, cfg, pp, im, dg) for P in sweep for cfg in configs for pp in a.prep_precision.split(",")
+                 for im in a.intermediates.split(",") for dg in a.diag.split(",")]
         t_fla = time_torch(theirs, [tuple(to_torch(x) for x in x3) for x3 in xs], repeats=a.repeats)
         o_f, S_f = theirs(*(to_torch(x) for x in xs[0]))
         o_f, S_f = jnp.from_dlpack(o_f.float()), jnp.from_dlpack(S_f.float().contiguous())
         t_prep = {}
-        for P, cfg, pp, im in sweep:
+        for P, cfg, pp, im, dg in sweep:
             pw = cfg["prep_num_warps"]
-            if (pw, pp, im) not in t_prep:
+            if (pw, pp, im, dg) not in t_prep:
                 st = jax.jit(partial(stage1, num_warps=pw, prep_precision=PREP_PRECISIONS[pp],
-                                     store_dtype=INTERMEDIATES[im]))
+                                     store_dtype=INTERMEDIATES[im], diag_matmul=dg == "bounded"))
                 # Kernel A alone (with the XLA cumsum): only qg is kept, so jit drops kernel B.
                 st_a = jax.jit(lambda *x, st=st: st(*x)[0])
-                t_prep[pw, pp, im] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)
+                t_prep[pw, pp, im, dg] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)
             ours = jax.jit(partial(prefill.chunk_kda, num_segments=P, prep_precision=PREP_PRECISIONS[pp],
-                                   intermediate_dtype=INTERMEDIATES[im], **cfg))
+                                   intermediate_dtype=INTERMEDIATES[im],
+                                   gate_lower_bound=bound if dg == "bounded" else None, **cfg))
             o, S = ours(*xs[0])
             err_o, err_s = rel_rms(o.astype(jnp.float32), o_f), rel_rms(S, S_f)
-            row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned, **cfg, "prep": pp, "intermediates": im,
-                   "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
+            row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned, **cfg, "prep": pp,
+                   "intermediates": im, "diag": dg, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
             if max(err_o, err_s) > MATCH_TOL:
                 row["status"] = "MISMATCH: speed not reported"
             else:
                 t = time_jax(ours, xs, repeats=a.repeats)
                 hw = kda_prefill_hw(t, B * T * H)
-                row.update(ms_ours=t * 1e3, ms_stage1=t_prep[pw, pp, im][0] * 1e3,
-                           ms_stage1_kernel_a=t_prep[pw, pp, im][1] * 1e3, ours_over_fla=t / t_fla,
+                row.update(ms_ours=t * 1e3, ms_stage1=t_prep[pw, pp, im, dg][0] * 1e3,
+                           ms_stage1_kernel_a=t_prep[pw, pp, im, dg][1] * 1e3, ours_over_fla=t / t_fla,
                            fraction_of_limit=hw["fraction_of_limit"], fla_fraction_of_limit=hw["limit_s"] / t_fla,
                            bound=hw["bound"], status="ok")
             rows.append(row)
             print(row, flush=True)
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "sanity": sanity}
     write_json({"meta": meta, "rows": rows}, "kda_prefill.json")
-    print(f"\n{'B':>2} {'T':>7} {'H':>3} {'P':>3} {'bv:w:s:pw:prep:im':>20} {'ours ms':>9} {'stage1':>8} {'fla ms':>8} {'ours/fla':>9} {'err':>8}")
+    print(f"\n{'B':>2} {'T':>7} {'H':>3} {'P':>3} {'bv:w:s:pw:prep:im:diag':>26} {'ours ms':>9} {'stage1':>8} {'fla ms':>8} {'ours/fla':>9} {'err':>8}")
     for r in rows:
         if r["status"] == "ok":
-            print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {cfg_str(r):>20} {r['ms_ours']:9.2f} {r['ms_stage1']:8.2f} "
+            print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {cfg_str(r):>26} {r['ms_ours']:9.2f} {r['ms_stage1']:8.2f} "
                   f"{r['ms_fla']:8.2f} {r['ours_over_fla']:9.2f} {r['err_out_vs_fla']:8.1e}")
         else:
             print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {r['status']} err {r['err_out_vs_fla']:.1e}")
 
 
 def cfg_str(r):
-    return ":".join(str(r[k]) for k in ("block_v", "num_warps", "num_stages", "prep_num_warps", "prep", "intermediates"))
+    return ":".join(str(r[k]) for k in ("block_v", "num_warps", "num_stages", "prep_num_warps", "prep", "intermediates", "diag"))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,13 @@ SHAPES = [(1, 8192, 32), (1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 13107
 MATCH_TOL = 1e-2  # bf16 inputs on both sides; fla also rounds intermediates to bf16
 
 
-def inputs(seed, B, T, H, K=128, V=128, dtype=jnp.bfloat16):
+def inputs(seed, B, T, H, K=128, V=128, dtype=jnp.bfloat16, lower_bound=None):
     ks = jax.random.split(jax.random.key(seed), 6)
     q = l2norm(jax.random.normal(ks[0], (B, T, H, K))).astype(dtype)
     k = l2norm(jax.random.normal(ks[1], (B, T, H, K))).astype(dtype)
     v = jax.random.normal(ks[2], (B, T, H, V), dtype)
     A_log = jax.random.uniform(ks[5], (H,), minval=-1.0, maxval=0.5)
-    g = kda_gate(jax.random.normal(ks[3], (B, T, H, K)), A_log, jnp.zeros(H * K))
+    g = kda_gate(jax.random.normal(ks[3], (B, T, H, K)), A_log, jnp.zeros(H * K), lower_bound=lower_bound)
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))).astype(dtype)
     return q, k, v, g, beta
 

@@ -163,7 +163,7 @@ def _merge_inverse(X, N, b0, precision):
 
 
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
-               k_piece=32):
+               diag_matmul=False, k_piece=32):
     """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
 
     Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Blocks left of the diagonal
@@ -174,6 +174,11 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     products: for 16 x 16 tiles faster than TF32x3 tensor-core passes, and exact). Writes
     ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal
     block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
+
+    ``diag_matmul``: the diagonal block as two matmuls anchored at the sub-chunk's first row,
+    like the earlier blocks. The column factor ``exp(anchor - G_c)`` grows up to the span of 15
+    tokens' gates, so this is only for gates with a lower bound of at least -5 (K3: at most 75
+    nats, ``exp(75) ~ 4e32``, finite in float32); entries above the diagonal are selected away.
     """
     C, K = k_ref.shape
     kp = min(k_piece, K)
@@ -215,7 +220,12 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
 
     jax.lax.fori_loop(0, i, earlier, 0)
     jax.lax.fori_loop(i + 1, C // SUB, later, 0)
-    Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
+    if diag_matmul:
+        k_from = ki * jnp.exp(anchor - Gi)  # exponent in [0, 15 |bound|]
+        Aqk_d = jnp.where(r16 >= c16, _dot_nt(qa, k_from, precision), 0.0)
+        Akk_d = jnp.where(r16 >= c16, _dot_nt(ka, k_from, precision), 0.0)
+    else:
+        Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
     aqk_ref[:, rows] = (scale * Aqk_d).astype(aqk_ref.dtype)
     n_ref[:, rows] = zero
     qg_ref[...] = (scale * qi * jnp.exp(Gi)).astype(qg_ref.dtype)
@@ -242,8 +252,8 @@ def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_
     u_ref[...] = _dot(X, beta * v_ref[...].astype(_F32), precision).astype(u_ref.dtype)
 
 
-def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, compiler_params=None,
-                  interpret=False):
+def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, diag_matmul=False,
+                  compiler_params=None, interpret=False):
     """GPU stage 1 as two kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200): the chunk-local gate cumsum in XLA; kernel A over
     ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
@@ -253,7 +263,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     inverse merge (its doubling steps and the spread of the diagonal blocks; kernel A's 16 x 16
     inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U). ``store_dtype``
     is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T, W, U; bfloat16 halves their
-    traffic); the inverse's pieces and decay stay float32.
+    traffic); the inverse's pieces and decay stay float32. ``diag_matmul``: see :func:`_rows_body`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -263,7 +273,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
     qg, aqk, N, Xd = pl.pallas_call(
-        partial(_rows_body, scale=scale, precision=precision),
+        partial(_rows_body, scale=scale, precision=precision, diag_matmul=diag_matmul),
         grid=(NC, HV, ns),
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],

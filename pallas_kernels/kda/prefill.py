@@ -61,11 +61,13 @@ def default_precision(precision, dtype):
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32 if jnp.dtype(dtype).itemsize < 4 else GPU_PRECISION
 
 
-def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=_F32, interpret=False):
+def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=_F32, diag_matmul=False,
+             interpret=False):
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
     ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting."""
     hi = jax.lax.Precision.HIGHEST
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
+                         diag_matmul=diag_matmul,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=None if interpret else prefill_gpu.params(num_warps, 1))
 
@@ -92,7 +94,7 @@ def chunk_kda(
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
-    intermediate_dtype=None,
+    intermediate_dtype=None, gate_lower_bound=None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -113,6 +115,10 @@ def chunk_kda(
         W, U, the per-chunk states and V_new): None or float32, or bfloat16 (half the traffic,
         fla's choice; the recurrence, final state and checkpoints stay float32). Opt-in until
         measured on a GPU.
+      gate_lower_bound: a promise that every gate value is at least this (K3: -5; must be >= -5).
+        GPU: the diagonal 16 x 16 blocks of stage 1 then run as anchored matmuls instead of
+        exact pairwise differences (finite in float32 only for bounded gates). Opt-in until
+        measured on a GPU; gates below the bound give wrong results.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -132,6 +138,8 @@ def chunk_kda(
         raise ValueError(f"intermediate_dtype must be float32 or bfloat16, got {store}")
     if kind == "tpu" and store != jnp.dtype(_F32):
         raise ValueError("bfloat16 intermediates are implemented for the GPU kernels only")
+    if gate_lower_bound is not None and not -5.0 <= gate_lower_bound <= 0.0:
+        raise ValueError(f"gate_lower_bound must be in [-5, 0] (None for unbounded gates), got {gate_lower_bound}")
     if num_segments is not None and num_segments < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
     interpret = _interpret(interpret, kind)
@@ -162,7 +170,8 @@ def chunk_kda(
 
     if kind == "gpu":
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
-                        num_warps=prep_num_warps, store_dtype=store, interpret=interpret)
+                        num_warps=prep_num_warps, store_dtype=store, diag_matmul=gate_lower_bound is not None,
+                        interpret=interpret)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v,
                                           summary_paid=initial_state_fn is not None)
         p = jnp.arange(P, dtype=jnp.int32)

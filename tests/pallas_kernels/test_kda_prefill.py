@@ -86,17 +86,22 @@ def test_initial_state_hook(run):
     assert_close(S2, S2_ref, "f32_state")
 
 
-def test_no_future_leakage_at_the_gate_bound(run):
+@pytest.mark.parametrize("bound", [None, -5.0], ids=["exact-diagonal", "bounded-gate-diagonal"])
+def test_no_future_leakage_at_the_gate_bound(run, bound):
     """Gates at the K3 bound (-5 per token, 320 nats per 64-token chunk): exact against the
     recurrence, and perturbing tokens after t0 (inside t0's 16-token sub-chunk) leaves every
-    output up to t0 bit-identical."""
+    output up to t0 bit-identical. Also with ``gate_lower_bound`` (GPU: the diagonal blocks as
+    anchored matmuls, spanning 75 nats per 16-token sub-chunk here)."""
+    if bound is not None and run["backend"] == "tpu":
+        pytest.skip("gate_lower_bound changes the GPU kernels only")
     T, H, HV, K, V, t0 = 64, 1, 1, 32, 32, 37
     q, k, v, g, beta = kda_inputs(3, 1, T, H, HV, K, V, lower_bound=-5.0, gate_scale=30.0)
-    o, _ = prefill.chunk_kda(q, k, v, g, beta, **run)
+    o, _ = prefill.chunk_kda(q, k, v, g, beta, gate_lower_bound=bound, **run)
     assert_close(o, ref.naive_recurrent_kda(q, k, v, g, beta)[0], "f32_out")
     q2, k2, v2, g2, beta2 = kda_inputs(5, 1, T, H, HV, K, V, lower_bound=-5.0)  # new, still normalised, tokens
     later = lambda x, y: x.at[:, t0 + 1 :].set(y[:, t0 + 1 :])
-    o2, _ = prefill.chunk_kda(later(q, q2), later(k, k2), later(v, v2), later(g, g2), later(beta, beta2), **run)
+    o2, _ = prefill.chunk_kda(later(q, q2), later(k, k2), later(v, v2), later(g, g2), later(beta, beta2),
+                              gate_lower_bound=bound, **run)
     np.testing.assert_array_equal(np.asarray(o[:, : t0 + 1]), np.asarray(o2[:, : t0 + 1]))
     assert not np.array_equal(np.asarray(o[:, t0 + 1 :]), np.asarray(o2[:, t0 + 1 :]))
 
@@ -158,6 +163,8 @@ def test_bad_arguments_are_rejected():
         prefill.chunk_kda(*x, chunk_size=128)
     with pytest.raises(ValueError, match="GPU kernels only"):
         prefill.chunk_kda(*x, backend="tpu", intermediate_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        prefill.chunk_kda(*x, backend="tpu", gate_lower_bound=-6.0)
     with pytest.raises(ValueError, match="intermediate_dtype"):
         prefill.chunk_kda(*x, backend="tpu", intermediate_dtype=jnp.float16)
     with pytest.raises(ValueError, match="initial_state"):
@@ -194,5 +201,6 @@ def test_kernels_lower_for_tpu_and_gpu():
         "tpu_custom_call") >= 2
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     assert _export("gpu", "cuda", h200).count("xla.gpu.triton") >= 5
-    assert _export("gpu", "cuda", h200, intermediate_dtype=jnp.bfloat16).count("xla.gpu.triton") >= 5
+    fast = dict(intermediate_dtype=jnp.bfloat16, gate_lower_bound=-5.0)  # the opt-in variants
+    assert _export("gpu", "cuda", h200, **fast).count("xla.gpu.triton") >= 5
 

@@ -72,28 +72,23 @@ def main():
     kernels = Kernels(**ops)
     kw = dict(max_slots=a.convs, max_len=4096, prefill_chunk=512, cache_pages=256, kernels=kernels)
     rows = {}
-    for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})) if "cache" in parts else ():
-        e = Engine((cfg, params), **kw, **opts)
-        multi_turn(e, 1, 2, 1024, 512, 16, seed=99)  # compile (two turns: the cache-hit path too)
-        e.metrics["cached_tokens"] = 0
-        rows[name] = multi_turn(e, a.convs, a.turns, 1024, 512, 16)
-        print(name, rows[name], flush=True)
-    if "spec" not in parts:
-        return finish(rows, a)
-    for name, spec in (("spec_off", 0), ("spec_on", 3)):
-        e = Engine((cfg, params), **kw, prefix_cache=False, speculative=spec)
-        rows[name] = repetitive(e, a.convs, 48)
-        print(name, {k: v for k, v in rows[name].items() if k != "outputs"}, flush=True)
-    assert rows["spec_on"]["outputs"] == rows["spec_off"]["outputs"], "speculation changed greedy outputs"
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    step_s = a.convs / rows["spec_off"]["decode_tokens_per_s"]
-    rows["decode_bandwidth_fraction"] = param_bytes / HBM_BYTES_PER_S / step_s
-    for k in ("spec_on", "spec_off"):
-        rows[k].pop("outputs")
-    finish(rows, a)
-
-
-def finish(rows, a):
+    if "cache" in parts:
+        for name, opts in (("cache_on", {}), ("cache_off", {"prefix_cache": False})):
+            e = Engine((cfg, params), **kw, **opts)
+            multi_turn(e, 1, 2, 1024, 512, 16, seed=99)  # compile (two turns: the cache-hit path too)
+            e.metrics["cached_tokens"] = 0
+            rows[name] = multi_turn(e, a.convs, a.turns, 1024, 512, 16)
+            print(name, rows[name], flush=True)
+    if "spec" in parts:
+        for name, spec in (("spec_off", 0), ("spec_on", 3)):
+            e = Engine((cfg, params), **kw, prefix_cache=False, speculative=spec)
+            rows[name] = repetitive(e, a.convs, 48)
+            print(name, {k: v for k, v in rows[name].items() if k != "outputs"}, flush=True)
+        plain, spec = (rows[k].pop("outputs") for k in ("spec_off", "spec_on"))
+        assert spec == plain, "speculation changed greedy outputs"
+        param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        step_s = a.convs / rows["spec_off"]["decode_tokens_per_s"]
+        rows["decode_bandwidth_fraction"] = param_bytes / HBM_BYTES_PER_S / step_s
     rows["meta"] = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
                     "config": "benchmarks/model.py MID, bf16 random weights", **vars(a)}
     print(json.dumps(rows, indent=1))

@@ -262,8 +262,7 @@ class Engine:
             if hit:
                 self._restore(req.slot, adm, hit)
             else:  # a recycled slot starts from zero state
-                c = jax.tree.map(lambda x: jnp.zeros_like(x[0]), self.caches)
-                self.caches = _set_slot(self.caches, req.slot, c.kda_state, c.conv_state, c.mla_kv, c.pos)
+                self.caches = _zero_slot(self.caches, req.slot)
             req.done = req.cached = hit
             if not req.out:
                 self.metrics["cached_tokens"] += hit
@@ -302,8 +301,7 @@ class Engine:
         while prefill and n <= min(self.prefill_chunk, self.H, self.max_len):
             self._note_compile(("prefill", n))
             _, self.caches = _prefill(*run, self.params, jnp.zeros(n, jnp.int32), self.caches, 0)
-            c = jax.tree.map(lambda x: jnp.zeros_like(x[0]), self.caches)
-            self.caches = _set_slot(self.caches, 0, c.kda_state, c.conv_state, c.mla_kv, c.pos)
+            self.caches = _zero_slot(self.caches, 0)
             n *= 2
         jax.block_until_ready(self.caches)
 
@@ -568,8 +566,8 @@ def _restore_slot(kda_shapes, mla_shape, caches, words, slot, kda_page, mla_page
 
 
 @partial(jax.jit, donate_argnums=0)
-def _set_slot(caches, slot, kda_state, conv_state, mla_kv, pos):
-    return _put(caches, slot, ModelCache(kda_state, conv_state, mla_kv, pos))
+def _zero_slot(caches, slot):
+    return jax.tree.map(lambda x: x.at[slot].set(0), caches)
 
 class Drafter:
     """Proposes draft tokens for speculative decoding (a draft model implements the same call)."""

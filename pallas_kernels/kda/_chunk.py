@@ -162,6 +162,28 @@ def _merge_inverse(X, N, b0, precision):
     return X
 
 
+def _diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece):
+    """A sub-chunk's diagonal ``[16, 16]`` blocks of ``q k^T`` and ``k k^T`` with exact pairwise
+    decays (causal, diagonal included): per ``k_piece`` slice of K, a local gate cumsum and a
+    ``[16, 16, k_piece]`` broadcast reduced over K."""
+    K = k_ref.shape[1]
+    kp = min(k_piece, K)
+    r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+    causal = (r16 >= c16)[:, :, None]
+    tri16 = jnp.where(c16 <= r16, 1.0, 0.0).astype(_F32)
+
+    def piece(p, A):
+        cols = pl.ds(pl.multiple_of(p * kp, kp), kp)
+        Gl = _dot(tri16, g_ref[rows, cols].astype(_F32))  # local cumsum: differences are exact G_r - G_c
+        kq = k_ref[rows, cols].astype(_F32)
+        e = kq[None, :, :] * jnp.exp(jnp.where(causal, Gl[:, None, :] - Gl[None, :, :], -jnp.inf))
+        return (A[0] + jnp.sum(q_ref[rows, cols].astype(_F32)[:, None, :] * e, axis=2),
+                A[1] + jnp.sum(kq[:, None, :] * e, axis=2))
+
+    zero = jnp.zeros((SUB, SUB), _F32)
+    return jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
+
+
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
                diag_matmul=False, k_piece=32):
     """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
@@ -169,9 +191,9 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Blocks left of the diagonal
     (``j < i``): one ``[16, 16]`` matmul each, both factors anchored at the sub-chunk's first row
     (exponents <= 0), stored at their columns; blocks right of it are zeros. Diagonal block: exact
-    pairwise differences of a local gate cumsum, a ``[16, 16, k_piece]`` broadcast per slice of K
-    reduced over K; its unit lower inverse by block doubling (1 -> 16) in IEEE float32 (FMA
-    products: for 16 x 16 tiles faster than TF32x3 tensor-core passes, and exact). Writes
+    pairwise differences (:func:`_diagonal_exact`); its unit lower inverse by block doubling
+    (1 -> 16) in IEEE float32 (FMA products: for 16 x 16 tiles faster than TF32x3 tensor-core
+    passes, and exact). Writes
     ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal
     block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
 
@@ -180,14 +202,11 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     tokens' gates, so this is only for gates with a lower bound of at least -5 (K3: at most 75
     nats, ``exp(75) ~ 4e32``, finite in float32); entries above the diagonal are selected away.
     """
-    C, K = k_ref.shape
-    kp = min(k_piece, K)
+    C = k_ref.shape[0]
     i = pl.program_id(2)
     start = pl.multiple_of(i * SUB, SUB)
     rows = pl.ds(start, SUB)
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
-    causal = (r16 >= c16)[:, :, None]
-    tri16 = jnp.where(c16 <= r16, 1.0, 0.0).astype(_F32)
     qi = q_ref[rows, :].astype(_F32)
     ki = k_ref[rows, :].astype(_F32)
     bi = beta_ref[rows, :].astype(_F32)
@@ -210,14 +229,6 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         n_ref[:, cols] = zero
         return carry
 
-    def piece(p, A):
-        cols = pl.ds(pl.multiple_of(p * kp, kp), kp)
-        Gl = _dot(tri16, g_ref[rows, cols].astype(_F32))  # local cumsum: differences are exact G_r - G_c
-        kq = k_ref[rows, cols].astype(_F32)
-        e = kq[None, :, :] * jnp.exp(jnp.where(causal, Gl[:, None, :] - Gl[None, :, :], -jnp.inf))
-        return (A[0] + jnp.sum(q_ref[rows, cols].astype(_F32)[:, None, :] * e, axis=2),
-                A[1] + jnp.sum(kq[:, None, :] * e, axis=2))
-
     jax.lax.fori_loop(0, i, earlier, 0)
     jax.lax.fori_loop(i + 1, C // SUB, later, 0)
     if diag_matmul:
@@ -225,7 +236,7 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         Aqk_d = jnp.where(r16 >= c16, _dot_nt(qa, k_from, precision), 0.0)
         Akk_d = jnp.where(r16 >= c16, _dot_nt(ka, k_from, precision), 0.0)
     else:
-        Aqk_d, Akk_d = jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
+        Aqk_d, Akk_d = _diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece)
     aqk_ref[:, rows] = (scale * Aqk_d).astype(aqk_ref.dtype)
     n_ref[:, rows] = zero
     qg_ref[...] = (scale * qi * jnp.exp(Gi)).astype(qg_ref.dtype)

@@ -39,8 +39,12 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def default_kernels(cfg: ModelConfig, backend: str | None = None) -> Kernels:
     """The device ops used when none are given: on a GPU the Pallas chunked prefill (measured
     faster end to end on the H200, docs/benchmarks.md) when the KDA head size suits its
-    kernels; the XLA paths elsewhere (TPU: not yet measured)."""
+    kernels, told the gates' lower bound when it is at least -5 (K3: stage 1's diagonal blocks as
+    matmuls); the XLA paths elsewhere (TPU: not yet measured)."""
     if (backend or jax.default_backend()) == "gpu" and gpu_head_dims_ok(cfg.linear_head_dim):
+        bound = cfg.kda_lower_bound
+        if bound is not None and bound >= -5.0:
+            return Kernels(chunk_kda=partial(pallas_chunk_kda, gate_lower_bound=bound))
         return Kernels(chunk_kda=pallas_chunk_kda)
     return Kernels()
 

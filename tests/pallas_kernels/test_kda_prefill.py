@@ -135,15 +135,16 @@ def test_block_doubling_inverse_is_exact_elimination():
 @pytest.mark.parametrize("run", [pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
                                  pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu)])
 def test_bf16_intermediates(run):
-    """GPU stages passing bfloat16 through memory: within bf16 tolerance of the reference
-    (outputs, final state, checkpoints), through the segment summary pass too, and not the
-    float32-intermediate result (the option takes effect)."""
+    """GPU stages passing bfloat16 through memory (the default for bf16 inputs): within bf16
+    tolerance of the reference (outputs, final state, checkpoints), through the segment summary
+    pass too, and not the float32-intermediate result (the option takes effect)."""
     B, T, H, HV, K, V = 1, 200, 1, 2, 32, 64
     x = kda_inputs(5, B, T, H, HV, K, V, lower_bound=-5.0, dtype=jnp.bfloat16)
     h0 = random_state(5, (B, HV, K, V))
     kw = dict(initial_state=h0, checkpoint_stride=64, num_segments=2, **run)
     o, s, ck = prefill.chunk_kda(*x, intermediate_dtype=jnp.bfloat16, **kw)
-    o32, _, _ = prefill.chunk_kda(*x, **kw)
+    o32, _, _ = prefill.chunk_kda(*x, intermediate_dtype=jnp.float32, **kw)
+    assert bool(jnp.array_equal(prefill.chunk_kda(*x, **kw)[0], o))
     o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
     _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, checkpoint_stride=64)
     assert o.dtype == jnp.bfloat16 and s.dtype == ck.dtype == jnp.float32

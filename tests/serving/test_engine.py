@@ -196,6 +196,9 @@ def test_default_kernels_pick_pallas_prefill_on_gpu_only():
     assert default_kernels(cfg, "gpu").chunk_kda is pallas_chunk_kda
     assert default_kernels(cfg, "tpu") == default_kernels(cfg, "cpu") == Kernels()
     assert default_kernels(replace(cfg, linear_head_dim=24), "gpu").chunk_kda is chunk_kda
+    k3 = default_kernels(ModelConfig.from_json(f"{CONFIGS}/kimi_k3.json"), "gpu").chunk_kda  # gates >= -5
+    assert k3.func is pallas_chunk_kda and k3.keywords == {"gate_lower_bound": -5.0}
+    assert default_kernels(replace(cfg, kda_lower_bound=-8.0), "gpu").chunk_kda is pallas_chunk_kda
 
 
 @pytest.mark.slow  # about 50 s: the interpreted kernels compile for every piece length

@@ -26,14 +26,14 @@ MATCH_TOL = 1e-2
 
 
 PREP_PRECISIONS = {"auto": None, "x3": GPU_PRECISION}
-INTERMEDIATES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+INTERMEDIATES = {"auto": None, "f32": jnp.float32, "bf16": jnp.bfloat16}  # auto: chunk_kda's default
 
 
-def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype, diag_matmul):
+def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype, bounded):
     f = lambda x: x.reshape(-1, *x.shape[2:])
     return prefill.gpu_prep(f(q), f(k), f(v), f(g), f(beta)[..., None], C=64, scale=q.shape[-1] ** -0.5,
                             precision=prefill.default_precision(prep_precision, v.dtype), num_warps=num_warps,
-                            store_dtype=store_dtype, diag_matmul=diag_matmul)
+                            store_dtype=store_dtype or prefill.default_intermediates(v.dtype), bounded=bounded)
 
 
 def main():
@@ -45,7 +45,8 @@ def main():
                     help="comma list of block_v:num_warps:num_stages:prep_num_warps")
     ap.add_argument("--prep-precision", default="auto",
                     help="comma list: auto (single-pass TF32 products for bf16) and/or x3 (TF32x3 throughout)")
-    ap.add_argument("--intermediates", default="f32", help="comma list: f32 and/or bf16 (what the stages pass through memory)")
+    ap.add_argument("--intermediates", default="auto",
+                    help="comma list: auto (the default), f32 and/or bf16 (what the stages pass through memory)")
     ap.add_argument("--k3-gates", action="store_true", help="K3 gates (lower bound -5) instead of Kimi Linear ones")
     ap.add_argument("--diag", default="exact", help="comma list: exact and/or bounded (gate_lower_bound=-5; needs --k3-gates)")
     a = ap.parse_args()
@@ -81,7 +82,7 @@ def main():
             pw = cfg["prep_num_warps"]
             if (pw, pp, im, dg) not in t_prep:
                 st = jax.jit(partial(stage1, num_warps=pw, prep_precision=PREP_PRECISIONS[pp],
-                                     store_dtype=INTERMEDIATES[im], diag_matmul=dg == "bounded"))
+                                     store_dtype=INTERMEDIATES[im], bounded=dg == "bounded"))
                 # Kernel A alone (with the XLA cumsum): only qg is kept, so jit drops kernel B.
                 st_a = jax.jit(lambda *x, st=st: st(*x)[0])
                 t_prep[pw, pp, im, dg] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)

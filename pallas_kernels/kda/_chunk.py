@@ -13,9 +13,9 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
   The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as two
-  kernels: per 16-row sub-chunk (:func:`_rows_body`: one matmul per earlier block, the
-  diagonal block as a broadcast reduced over K, its inverse by block doubling), then per
-  chunk the inverse merge
+  kernels: per 16-row sub-chunk (:func:`_rows_body`: anchored matmuls against the whole chunk,
+  diagonal block included while the gate span allows, exact pairwise differences beyond it;
+  the diagonal block's inverse by block doubling), then per chunk the inverse merge
   (:func:`_merge_inverse`) and W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
   V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels split
@@ -184,64 +184,61 @@ def _diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece):
     return jax.lax.fori_loop(0, K // kp, piece, (zero, zero))
 
 
+# Gate span (nats, over a 16-row sub-chunk) up to which kernel A forms a row's diagonal block as
+# anchored matmuls: factors stay in [e^-60, e^60], normal float32 with margin. Rows past it are
+# recomputed with exact pairwise differences.
+_SPAN_SAFE = 60.0
+
+
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
-               diag_matmul=False, k_piece=32):
+               bounded=False, k_piece=32):
     """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
 
-    Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Blocks left of the diagonal
-    (``j < i``): one ``[16, 16]`` matmul each, both factors anchored at the sub-chunk's first row
-    (exponents <= 0), stored at their columns; blocks right of it are zeros. Diagonal block: exact
-    pairwise differences (:func:`_diagonal_exact`); its unit lower inverse by block doubling
-    (1 -> 16) in IEEE float32 (FMA products: for 16 x 16 tiles faster than TF32x3 tensor-core
-    passes, and exact). Writes
+    Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). One ``[16, K] x [K, C]``
+    matmul each for ``q k^T`` and ``k k^T``, both factors anchored at the sub-chunk's first row:
+    left of the sub-chunk the exponents are <= 0; on its diagonal block the column factor
+    ``exp(anchor - G_c)`` grows with the gate span of the rows before. A row whose own span
+    (``max_K (anchor - G_r)``, which bounds every factor it uses) exceeds :data:`_SPAN_SAFE`
+    takes its diagonal block from exact pairwise differences (:func:`_diagonal_exact`, computed
+    only in sub-chunks that need it). The choice depends on the row's own gates only, so future
+    tokens never change a row's bits. ``bounded`` (gates >= -5: spans <= 75, finite): no fallback.
+    Entries right of the causal diagonal are selected away (they may overflow).
+    The diagonal block's unit lower inverse by block doubling (1 -> 16) in IEEE float32. Writes
     ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal
     block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
-
-    ``diag_matmul``: the diagonal block as two matmuls anchored at the sub-chunk's first row,
-    like the earlier blocks. The column factor ``exp(anchor - G_c)`` grows up to the span of 15
-    tokens' gates, so this is only for gates with a lower bound of at least -5 (K3: at most 75
-    nats, ``exp(75) ~ 4e32``, finite in float32); entries above the diagonal are selected away.
     """
     C = k_ref.shape[0]
-    i = pl.program_id(2)
-    start = pl.multiple_of(i * SUB, SUB)
+    start = pl.multiple_of(pl.program_id(2) * SUB, SUB)
     rows = pl.ds(start, SUB)
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+    rr, cc = _iota((SUB, C), 0) + start, _iota((SUB, C), 1)
     qi = q_ref[rows, :].astype(_F32)
     ki = k_ref[rows, :].astype(_F32)
     bi = beta_ref[rows, :].astype(_F32)
     Gi = G_ref[rows, :]
     anchor = G_ref[pl.ds(start, 1), :]
     to_anchor = jnp.exp(Gi - anchor)
-    qa, ka = qi * to_anchor, ki * to_anchor
-    zero = jnp.zeros((SUB, SUB), _F32)
+    up = anchor - G_ref[...]
+    if not bounded:
+        up = jnp.minimum(up, _SPAN_SAFE)  # capped rows are recomputed below
+    k_anc = k_ref[...].astype(_F32) * jnp.exp(jnp.where(_iota((C, 1), 0) < start + SUB, up, -jnp.inf))
+    Aq, Ak = _dot_nt(qi * to_anchor, k_anc, precision), _dot_nt(ki * to_anchor, k_anc, precision)
+    if not bounded:
+        redo = jnp.max(anchor - Gi, axis=1, keepdims=True) > _SPAN_SAFE  # [16, 1]
 
-    def earlier(j, carry):
-        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
-        kj = k_ref[cols, :].astype(_F32) * jnp.exp(anchor - G_ref[cols, :])  # G decreases: exponent <= 0
-        aqk_ref[:, cols] = (scale * _dot_nt(qa, kj, precision)).astype(aqk_ref.dtype)
-        n_ref[:, cols] = bi * _dot_nt(ka, kj, precision)
-        return carry
+        def exact(A):
+            spread = jnp.where(cc == _iota((SUB, C), 0) + start, 1.0, 0.0).astype(_F32)  # [16, C]
+            d = redo & (cc >= start)
+            return tuple(jnp.where(d, _dot(X, spread), Y)
+                         for X, Y in zip(_diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece), A))
 
-    def later(j, carry):
-        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
-        aqk_ref[:, cols] = zero.astype(aqk_ref.dtype)
-        n_ref[:, cols] = zero
-        return carry
-
-    jax.lax.fori_loop(0, i, earlier, 0)
-    jax.lax.fori_loop(i + 1, C // SUB, later, 0)
-    if diag_matmul:
-        k_from = ki * jnp.exp(anchor - Gi)  # exponent in [0, 15 |bound|]
-        Aqk_d = jnp.where(r16 >= c16, _dot_nt(qa, k_from, precision), 0.0)
-        Akk_d = jnp.where(r16 >= c16, _dot_nt(ka, k_from, precision), 0.0)
-    else:
-        Aqk_d, Akk_d = _diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece)
-    aqk_ref[:, rows] = (scale * Aqk_d).astype(aqk_ref.dtype)
-    n_ref[:, rows] = zero
+        Aq, Ak = jax.lax.cond(jnp.max(jnp.max(jnp.where(redo, 1, 0), axis=1), axis=0) > 0, exact, lambda A: A, (Aq, Ak))
+    aqk_ref[...] = (scale * jnp.where(cc <= rr, Aq, 0.0)).astype(aqk_ref.dtype)
+    Ak = jnp.where(cc < rr, Ak, 0.0)
+    n_ref[...] = jnp.where(cc < start, bi * Ak, 0.0)
+    place = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
     qg_ref[...] = (scale * qi * jnp.exp(Gi)).astype(qg_ref.dtype)
-    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32),
-                                 bi * jnp.where(r16 > c16, Akk_d, 0.0), 1, _HI)
+    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32), bi * _dot(Ak, place), 1, _HI)
 
 
 def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
@@ -263,7 +260,7 @@ def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_
     u_ref[...] = _dot(X, beta * v_ref[...].astype(_F32), precision).astype(u_ref.dtype)
 
 
-def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, diag_matmul=False,
+def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
                   compiler_params=None, interpret=False):
     """GPU stage 1 as two kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200): the chunk-local gate cumsum in XLA; kernel A over
@@ -274,7 +271,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     inverse merge (its doubling steps and the spread of the diagonal blocks; kernel A's 16 x 16
     inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U). ``store_dtype``
     is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T, W, U; bfloat16 halves their
-    traffic); the inverse's pieces and decay stay float32. ``diag_matmul``: see :func:`_rows_body`.
+    traffic); the inverse's pieces and decay stay float32. ``bounded``: see :func:`_rows_body`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -284,7 +281,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
     qg, aqk, N, Xd = pl.pallas_call(
-        partial(_rows_body, scale=scale, precision=precision, diag_matmul=diag_matmul),
+        partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
         grid=(NC, HV, ns),
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],

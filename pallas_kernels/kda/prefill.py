@@ -61,15 +61,21 @@ def default_precision(precision, dtype):
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32 if jnp.dtype(dtype).itemsize < 4 else GPU_PRECISION
 
 
-def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=_F32, diag_matmul=False,
+def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=_F32, bounded=False,
              interpret=False):
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
     ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting."""
     hi = jax.lax.Precision.HIGHEST
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
-                         diag_matmul=diag_matmul,
+                         bounded=bounded,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=None if interpret else prefill_gpu.params(num_warps, 1))
+
+
+def default_intermediates(dtype):
+    """What the GPU stages pass through memory by default: bfloat16 for 16-bit inputs (their outputs
+    round to 8 bits; 1.10x faster on the H200), float32 otherwise."""
+    return jnp.bfloat16 if jnp.dtype(dtype).itemsize < 4 else _F32
 
 
 def _backend(backend):
@@ -113,8 +119,8 @@ def chunk_kda(
         triangular inverse is always TF32x3 (float32-accurate).
       intermediate_dtype: GPU: the dtype of what the stages pass through memory (qg, Aqk, kd^T,
         W, U, the per-chunk states and V_new): float32 or bfloat16 (half the traffic, fla's
-        choice; the recurrence, final state and checkpoints stay float32). None: bfloat16 for
-        16-bit inputs (whose outputs round to 8 bits; 1.10x faster on the H200), float32 otherwise.
+        choice; the recurrence, final state and checkpoints stay float32). None:
+        :func:`default_intermediates`.
       gate_lower_bound: a promise that every gate value is at least this (K3: -5; must be >= -5).
         GPU: the diagonal 16 x 16 blocks of stage 1 then run as anchored matmuls instead of
         exact pairwise differences (finite in float32 only for bounded gates; 1.06-1.09x faster
@@ -136,7 +142,7 @@ def chunk_kda(
         raise ValueError(f"the GPU kernels need K and V to be powers of two >= 16, got K={K}, V={V}")
     out_dtype = _out_dtype(v)
     if intermediate_dtype is None:
-        intermediate_dtype = jnp.bfloat16 if kind == "gpu" and jnp.dtype(out_dtype).itemsize < 4 else _F32
+        intermediate_dtype = default_intermediates(out_dtype) if kind == "gpu" else _F32
     store = jnp.dtype(intermediate_dtype)
     if store not in (jnp.dtype(_F32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"intermediate_dtype must be float32 or bfloat16, got {store}")
@@ -173,7 +179,7 @@ def chunk_kda(
 
     if kind == "gpu":
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
-                        num_warps=prep_num_warps, store_dtype=store, diag_matmul=gate_lower_bound is not None,
+                        num_warps=prep_num_warps, store_dtype=store, bounded=gate_lower_bound is not None,
                         interpret=interpret)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v,
                                           summary_paid=initial_state_fn is not None)

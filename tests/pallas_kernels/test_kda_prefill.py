@@ -106,6 +106,25 @@ def test_no_future_leakage_at_the_gate_bound(run, bound):
     assert not np.array_equal(np.asarray(o[:, t0 + 1 :]), np.asarray(o2[:, t0 + 1 :]))
 
 
+@pytest.mark.parametrize("run", [pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
+                                 pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu)])
+def test_diagonal_fallback_past_the_gate_span(run):
+    """GPU kernel A forms a row's diagonal block by anchored matmuls while the row's gate span is
+    at most 60 nats, by exact differences past it. One channel decays 6 nats a token, so rows 11+
+    of each sub-chunk fall back: exact against the recurrence, and outputs up to t0 (row 5 of its
+    sub-chunk) bit-identical when later tokens change to gates that never fall back (the
+    sub-chunk then takes only the matmul branch)."""
+    T, K, V, t0 = 64, 32, 32, 37
+    q, k, v, g, beta = kda_inputs(8, 1, T, 1, 1, K, V, lower_bound=-5.0)
+    g = g.at[..., 0].set(-6.0)
+    o, _ = prefill.chunk_kda(q, k, v, g, beta, **run)
+    assert_close(o, ref.naive_recurrent_kda(q, k, v, g, beta)[0], "f32_out")
+    g2 = g.at[:, t0 + 1:].multiply(0.1)
+    o2, _ = prefill.chunk_kda(q, k, v, g2, beta, **run)
+    np.testing.assert_array_equal(np.asarray(o[:, : t0 + 1]), np.asarray(o2[:, : t0 + 1]))
+    assert not np.array_equal(np.asarray(o[:, t0 + 1:]), np.asarray(o2[:, t0 + 1:]))
+
+
 def test_repeated_keys_stay_exact(run):
     """One key repeated through a chunk (||Akk|| ~ C) with beta near 1: the float32 solve holds."""
     T, K, V = 64, 32, 32

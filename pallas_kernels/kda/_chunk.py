@@ -68,13 +68,13 @@ def _unit_lower_inverse(D):
     return jax.lax.fori_loop(0, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(_F32))
 
 
-def _decays(k, G, kdT_ref, decay_ref):
-    """Writes ``kd^T = (k exp(G_C - G))^T`` and ``decay = exp(G_C)`` from the chunk's gate cumsum ``G``."""
+def _decays(k, G):
+    """``kd^T = (k exp(G_C - G))^T`` and ``decay = exp(G_C)`` as a column, from a chunk's keys and
+    gate cumsum ``G`` (``[C, K']`` tiles)."""
     C = k.shape[0]
     GT = G.T
-    GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K, 1]
-    decay_ref[...] = jnp.exp(GlastT)
-    kdT_ref[...] = (k.T * jnp.exp(GlastT - GT)).astype(kdT_ref.dtype)
+    GlastT = jnp.sum(jnp.where(_iota((1, C), 1) == C - 1, GT, 0.0), axis=1, keepdims=True)  # [K', 1]
+    return k.T * jnp.exp(GlastT - GT), jnp.exp(GlastT)
 
 
 def _gates(g_ref, k_ref, kdT_ref, decay_ref):
@@ -84,7 +84,8 @@ def _gates(g_ref, k_ref, kdT_ref, decay_ref):
     g = g_ref[...].astype(_F32)
     k = k_ref[...].astype(_F32)
     G = _dot(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(_F32), g)
-    _decays(k, G, kdT_ref, decay_ref)
+    kdT, decay_ref[...] = _decays(k, G)
+    kdT_ref[...] = kdT.astype(kdT_ref.dtype)
     return g, k, G
 
 
@@ -251,22 +252,38 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
 
 
 def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
-                inv_precision):
+                inv_precision, block=64):
     """GPU stage 1, kernel B: the chunk's inverse from kernel A's pieces, then W, U, kd^T, decay.
 
     The diagonal inverses ``Xd [C, 16]`` are spread to a block-diagonal ``[C, C]`` by one 0/1
     matmul; block doubling (16 -> C) with ``N`` gives ``(I + Akk)^-1`` (:func:`_merge_inverse`).
+    W, kd^T and decay are formed per ``block`` columns of K, U per ``block`` columns of V (fewer
+    live registers).
     """
-    C = n_ref.shape[0]
-    k, G = k_ref[...].astype(_F32), G_ref[...]
-    _decays(k, G, kdT_ref, decay_ref)
+    C, K = k_ref.shape
+    V = v_ref.shape[1]
     r, c = _iota((C, C), 0), _iota((C, C), 1)
     spread = jnp.where(jax.lax.rem(_iota((SUB, C), 1), SUB) == _iota((SUB, C), 0), 1.0, 0.0).astype(_F32)
     X = jnp.where(jax.lax.div(r, SUB) == jax.lax.div(c, SUB), _dot(xd_ref[...], spread, inv_precision), 0.0)
     X = _merge_inverse(X, n_ref[...], SUB, inv_precision)
     beta = beta_ref[...].astype(_F32)
-    w_ref[...] = _dot(X, beta * k * jnp.exp(G), precision).astype(w_ref.dtype)
-    u_ref[...] = _dot(X, beta * v_ref[...].astype(_F32), precision).astype(u_ref.dtype)
+    kb, vb = min(block, K), min(block, V)
+
+    def k_slice(p, carry):
+        cols = pl.ds(pl.multiple_of(p * kb, kb), kb)
+        k, G = k_ref[:, cols].astype(_F32), G_ref[:, cols]
+        kdT, decay_ref[cols, :] = _decays(k, G)
+        kdT_ref[cols, :] = kdT.astype(kdT_ref.dtype)
+        w_ref[:, cols] = _dot(X, beta * k * jnp.exp(G), precision).astype(w_ref.dtype)
+        return carry
+
+    def v_slice(p, carry):
+        cols = pl.ds(pl.multiple_of(p * vb, vb), vb)
+        u_ref[:, cols] = _dot(X, beta * v_ref[:, cols].astype(_F32), precision).astype(u_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, K // kb, k_slice, 0)
+    jax.lax.fori_loop(0, V // vb, v_slice, 0)
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,

@@ -124,10 +124,9 @@ def chunk_kda(
         choice; the recurrence, final state and checkpoints stay float32). None:
         :func:`default_intermediates`.
       gate_lower_bound: a promise that every gate value is at least this (K3: -5; must be >= -5).
-        GPU: the diagonal 16 x 16 blocks of stage 1 then run as anchored matmuls instead of
-        exact pairwise differences (finite in float32 only for bounded gates; 1.06-1.09x faster
-        on the H200); gates below the bound give wrong results. The serving engine passes the
-        K3 configs' bound.
+        GPU: stage 1 then skips its per-row gate-span check (diagonal blocks always as anchored
+        matmuls: finite in float32 only for bounded gates; 1.02x faster on the H200); gates
+        below the bound give wrong results. The serving engine passes the K3 configs' bound.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).

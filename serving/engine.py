@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +43,15 @@ def default_kernels(cfg: ModelConfig, backend: str | None = None) -> Kernels:
     matmuls); the XLA paths elsewhere (TPU: not yet measured)."""
     if (backend or jax.default_backend()) == "gpu" and gpu_head_dims_ok(cfg.linear_head_dim):
         bound = cfg.kda_lower_bound
-        if bound is not None and bound >= -5.0:
-            return Kernels(chunk_kda=partial(pallas_chunk_kda, gate_lower_bound=bound))
-        return Kernels(chunk_kda=pallas_chunk_kda)
+        return Kernels(chunk_kda=_bounded_prefill(bound) if bound is not None and bound >= -5.0 else pallas_chunk_kda)
     return Kernels()
+
+
+@cache
+def _bounded_prefill(bound: float):
+    """One Pallas prefill per gate bound, so engines built from the same config share the jitted
+    steps (kernels are a static argument: a fresh ``partial`` would compile them again)."""
+    return partial(pallas_chunk_kda, gate_lower_bound=bound)
 
 
 class RequestError(ValueError):
@@ -419,9 +424,8 @@ class Engine:
         preds = np.argmax(logits, axis=-1)
         accepted = np.zeros(self.max_slots, np.int32)
         for r in rows:
-            if r.rid not in drafts:
+            if not (d := drafts.get(r.rid)):
                 continue
-            d = drafts[r.rid]
             n = 0
             while n < len(d) and d[n] == preds[r.slot, n]:
                 n += 1

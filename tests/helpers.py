@@ -57,6 +57,13 @@ def random_cu_seqlens(rng: np.random.Generator, T: int, N: int, pad: int = 0) ->
     return np.concatenate([[0], cuts, [T - pad]]).astype(np.int32)
 
 
+# The GPU kernels in the generic interpreter, and compiled (``-m gpu``).
+GPU_RUNS = [
+    pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
+    pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu),
+]
+
+
 def kernel_backends(tpu_backend: str, tpu_interpret):
     """A ``run`` fixture over the Pallas backends: the TPU kernels in the Mosaic interpreter
     (``tpu_interpret``; fails the test on a detected race), the GPU kernels in the generic
@@ -64,11 +71,7 @@ def kernel_backends(tpu_backend: str, tpu_interpret):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
     from jax.experimental.pallas import tpu as pltpu
 
-    params = [
-        pytest.param(dict(backend=tpu_backend, interpret=tpu_interpret), id="tpu-interpret"),
-        pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
-        pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu),
-    ]
+    params = [pytest.param(dict(backend=tpu_backend, interpret=tpu_interpret), id="tpu-interpret"), *GPU_RUNS]
 
     @pytest.fixture(params=params)
     def run(request):

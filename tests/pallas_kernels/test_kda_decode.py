@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import kda as ref
 from pallas_kernels import kda
-from tests.helpers import assert_close, kda_inputs, kernel_backends, random_state
+from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
 
 TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=7)
 
@@ -261,8 +261,7 @@ def test_commit_fused_into_next_verify(run):
     np.testing.assert_array_equal(np.asarray(fused)[[1, 2, 3]], before[[1, 2, 3]])
 
 
-@pytest.mark.parametrize("run", [pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
-                                 pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("run", GPU_RUNS)
 def test_dense_adapters_match_the_references_and_fold_vmap(run):
     """``kda_recurrent_dense`` (T = 1: the decode step; T = 5: verify + commit) and
     ``kda_commit_dense`` against the references; under ``jax.vmap`` of one-row calls (the

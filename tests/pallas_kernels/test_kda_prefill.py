@@ -20,7 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 from k3jax.ops import kda as ref
 from pallas_kernels.kda import prefill
 from pallas_kernels.kda._chunk import _merge_inverse
-from tests.helpers import assert_close, kda_inputs, kernel_backends, random_state
+from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
 
 TPU_INTERPRET = pltpu.InterpretParams(
     detect_races=True, num_cores_or_threads=2, random_seed=3, uninitialized_memory="nan"
@@ -106,8 +106,7 @@ def test_no_future_leakage_at_the_gate_bound(run, bound):
     assert not np.array_equal(np.asarray(o[:, t0 + 1 :]), np.asarray(o2[:, t0 + 1 :]))
 
 
-@pytest.mark.parametrize("run", [pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
-                                 pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("run", GPU_RUNS)
 def test_diagonal_fallback_past_the_gate_span(run):
     """GPU kernel A forms a row's diagonal block by anchored matmuls while the row's gate span is
     at most 60 nats, by exact differences past it. One channel decays 6 nats a token, so rows 11+
@@ -151,8 +150,7 @@ def test_block_doubling_inverse_is_exact_elimination():
         assert_close(X, np.linalg.inv(np.eye(n) + N), "f32_out")
 
 
-@pytest.mark.parametrize("run", [pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
-                                 pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("run", GPU_RUNS)
 def test_bf16_intermediates(run):
     """GPU stages passing bfloat16 through memory (the default for bf16 inputs): within bf16
     tolerance of the reference (outputs, final state, checkpoints), through the segment summary

@@ -21,7 +21,7 @@ from pallas_kernels.kda._window import Mode, delta_update, delta_update_vk, read
 _F32 = jnp.float32
 
 
-def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, scale: float, num_slots: int, BV: int,
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int,
             vk: bool):
     (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, snap_ref, pool_out_ref), _ = split_refs(refs, mode)
 
@@ -48,20 +48,27 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, rep: int, 
     def out(S, t):
         return (readout_vk if vk else readout)(S, q_ref[b, t, hq].astype(_F32), scale)
 
+    def replay(S, refs):
+        """The row's first n positions only: a loop of n steps (not T masked ones)."""
+        return jax.lax.fori_loop(0, n, lambda t, S: step(S, refs, t), S)
+
+    window = (k_ref, v_ref, g_ref, beta_ref)
+
     @pl.when(valid)
     def _():
         S = state(pool_ref[slot, h, :, cols])
         if mode.replay_first:
-            for t in range(T_prev):
-                S = jnp.where(t < n, step(S, prev_refs, t), S)
+            S = replay(S, prev_refs)
             pool_out_ref[slot, h, :, cols] = state(S)
-        for t in range(T):
-            S_next = step(S, (k_ref, v_ref, g_ref, beta_ref), t)
-            S = jnp.where(t < n, S_next, S) if mode.per_row_n and not mode.replay_first else S_next
-            if mode.readout:
-                o_ref[b, t, h, :, cols] = out(S, t).astype(o_ref.dtype)
-            if mode.snapshot:
-                snap_ref[b, t, h, :, cols] = state(S)
+        if mode.per_row_n and not mode.replay_first:  # commit: nothing but the state
+            S = replay(S, window)
+        else:
+            for t in range(T):
+                S = step(S, window, t)
+                if mode.readout:
+                    o_ref[b, t, h, :, cols] = out(S, t).astype(o_ref.dtype)
+                if mode.snapshot:
+                    snap_ref[b, t, h, :, cols] = state(S)
         if mode.write_state and not mode.replay_first:
             pool_out_ref[slot, h, :, cols] = state(S)
 
@@ -113,8 +120,7 @@ def window_call(
         from jax.experimental.pallas import triton as pltriton
 
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
-    T_prev = prev[0].shape[1] if mode.replay_first else 0
-    kernel = functools.partial(_kernel, mode=mode, T=T, T_prev=T_prev, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV,
+    kernel = functools.partial(_kernel, mode=mode, T=T, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV,
                                vk=vk)
     outs = pl.pallas_call(
         kernel,

@@ -30,11 +30,12 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
                   summary_paid=False):
     """Segments per sequence for the recurrent stage.
 
-    GPU: one program per (segment, head, column block); with ``P`` segments the summary pass
-    runs ``(K + V) / V`` times as many programs as the output pass, so the two passes take about
-    ``2 / P`` of the one-pass time while ``3 P x programs`` fit ``2 x num_cores``. When the
-    summary pass runs anyway (``summary_paid``: an ``initial_state_fn``, as KCP passes),
-    segments cost only their fold, so ``P`` fills the cores: ``P x programs >= num_cores``
+    GPU: one program per (segment, head, column block). Segments add a summary pass (over
+    ``K + V`` columns) and a fold, and pay off when ``P x programs`` fills the SMs:
+    ``P = num_cores // programs``, used from ``P = 3`` (on the H200 at H = 4, T = 131072, 16
+    programs: P = 5 / 8 / 11 took 6.02 / 5.05 / 5.53 ms; at H = 12, 48 programs, P = 2 or 3 did
+    not help). When the summary pass runs anyway (``summary_paid``: an ``initial_state_fn``, as
+    KCP passes), segments cost only their fold, so ``P`` fills the cores: ``P x programs >= num_cores``
     (P = 3 at H = 32 on the H200: 1.34x -> 1.48x for KCP on two GPUs). Segments keep at least
     ``min_chunks`` chunks. TPU: 1 (its one or two cores are filled by heads).
     """
@@ -43,7 +44,7 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     if num_cores is None:
         num_cores = getattr(jax.devices()[0], "core_count", 132)
     programs = num_seqs * num_heads * max(V // block_v, 1)
-    P = -(-num_cores // programs) if summary_paid else (2 * num_cores) // (3 * programs)
+    P = -(-num_cores // programs) if summary_paid else num_cores // programs
     P = min(P, max_chunks // min_chunks)
     return P if P >= (2 if summary_paid else 3) else 1
 

@@ -104,8 +104,11 @@ def _ptxas_info(ptxas, ptx, tmp):
 
 def compile_ptx(module: str, num_warps: int, num_stages: int) -> dict:
     """Compile one Triton module for sm_90: instruction counts, per-line counts, registers, spills."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        raise SystemExit("benchmarks.ptx_count needs the triton compiler: pip install triton") from e
 
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")

@@ -109,10 +109,9 @@ def chunk_kda_cp(
         return o, fin
 
     if cu_seqlens is None:
-        # Every row is one sequence spanning all ranks: the rank's B row pieces run as one packed
-        # varlen call, and their maps travel in one all-gather.
+        # Every row is one sequence spanning all ranks: the rank's B row pieces run as one dense
+        # call (no varlen repacking), and their maps travel in one all-gather.
         def shard_fn(q, k, v, g, beta, init):
-            Bl = q.shape[0]
             r = jax.lax.axis_index(axis_name)
             first = r == 0
 
@@ -120,12 +119,9 @@ def chunk_kda_cp(
                 s_in = fold(jnp.where(first, 0.0, M), jnp.where(first, apply_segment((M, E), init), E))
                 return jnp.where(first, init, s_in)
 
-            pack = lambda x: x.reshape(1, Bl * L, *x.shape[2:])
-            o, fin = kernel(pack(q), pack(k), pack(v), pack(g), pack(beta), scale=scale,
-                            cu_seqlens=jnp.arange(Bl + 1, dtype=jnp.int32) * L, chunk_size=chunk_size,
-                            initial_state_fn=initial_states)
+            o, fin = kernel(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state_fn=initial_states)
             fin = jax.lax.psum(jnp.where(r == P - 1, fin, 0.0), axis_name)
-            return o.reshape(Bl, L, *o.shape[2:]), fin
+            return o, fin
 
         args = (q, k, v, g, beta, init)
         in_specs = (PartitionSpec(None, axis_name),) * 5 + (PartitionSpec(),)

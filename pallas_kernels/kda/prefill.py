@@ -101,7 +101,7 @@ def chunk_kda(
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int = 32, num_warps: int = 4, num_stages: int = 2,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
-    intermediate_dtype=None, gate_lower_bound=None,
+    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -115,6 +115,9 @@ def chunk_kda(
       block_v, num_warps, num_stages: GPU recurrent-stage tiling and software pipelining (at B1 T32k
         H32 on the H200, block_v 32 was 1.04x faster than 64: twice the programs for the serial
         scan; 2 stages 1.07x faster than 1: the next chunk's loads overlap this chunk's matmuls).
+      summary_block_v: GPU column block of the segment summary pass, which runs over ``K + V``
+        columns (twice the recurrence's programs). 64 against 32: KCP at T = 131072, H = 32 on two
+        H200s went 1.64x -> 1.76x (2 segments per rank: 512 -> 256 programs); 128 gave 1.65x.
       prep_num_warps: GPU warps per token-parallel program.
       scan_precision: GPU matmul precision of the recurrent and output stages; None: single-pass TF32 for
         bf16/f16 inputs (their outputs round to 8 bits anyway), TF32x3 for float32 inputs.
@@ -194,7 +197,8 @@ def chunk_kda(
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
         if P > 1 or initial_state_fn is not None:
-            ME = prefill_gpu.scan_call(prep, None, vstart, vend, ck_slot, summary=True, **kw)
+            ME = prefill_gpu.scan_call(prep, None, vstart, vend, ck_slot, summary=True,
+                                       **{**kw, "block_v": summary_block_v})
             maps = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is not None:
                 M, E = jax.lax.associative_scan(combine_segments, maps, axis=1)

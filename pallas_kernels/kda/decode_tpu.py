@@ -50,21 +50,31 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: flo
         qT = q_ref[0, 0].astype(_F32).T if mode.readout else None
         prev = _load_window(*prev_refs) if mode.replay_first else None
         copy_in.wait()
-        S = s_vmem[...]
+
+        def replay(window, steps):
+            """The row's first n positions only: each step runs under a branch on ``t < n`` and keeps
+            the state in VMEM (tiles are sliced by static t, so the loop is unrolled)."""
+            for t in range(steps):
+                @pl.when(t < n)
+                def _(t=t):
+                    s_vmem[...] = _step(s_vmem[...], window, t)
+
         if mode.replay_first:
-            for t in range(T_prev):
-                S = jnp.where(t < n, _step(S, prev, t), S)
-            s_vmem[...] = S
+            replay(prev, T_prev)
             copy_out.start()  # overlaps the verify loop below
-        for t in range(T):
-            S_next = _step(S, w, t)
-            S = jnp.where(t < n, S_next, S) if mode.per_row_n and not mode.replay_first else S_next
-            if mode.readout:
-                o_ref[0, 0, t : t + 1, :] = readout(S, qT[:, t : t + 1], scale).astype(o_ref.dtype)
-            if mode.snapshot:
-                snap_ref[0, t, 0] = S
+        if mode.per_row_n and not mode.replay_first:  # commit: nothing but the state
+            replay(w, T)
+        else:
+            S = s_vmem[...]
+            for t in range(T):
+                S = _step(S, w, t)
+                if mode.readout:
+                    o_ref[0, 0, t : t + 1, :] = readout(S, qT[:, t : t + 1], scale).astype(o_ref.dtype)
+                if mode.snapshot:
+                    snap_ref[0, t, 0] = S
+            if mode.write_state and not mode.replay_first:
+                s_vmem[...] = S
         if mode.write_state and not mode.replay_first:
-            s_vmem[...] = S
             copy_out.start()
         if mode.write_state:
             copy_out.wait()

@@ -31,6 +31,17 @@ class Mode:
     per_row_n: bool = False
     replay_first: bool = False
 
+    @property
+    def replay_only(self) -> bool:
+        """The window only rebuilds the state from the row's first ``n`` positions (commit)."""
+        return self.per_row_n and not self.replay_first
+
+    @property
+    def writes_at_end(self) -> bool:
+        """The state after the window's loop goes back to the slot (``replay_first`` writes it
+        after the replayed prefix instead)."""
+        return self.write_state and not self.replay_first
+
 
 DECODE = Mode(readout=True, write_state=True)
 VERIFY = Mode(readout=True, write_state=False)

@@ -60,7 +60,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
         if mode.replay_first:
             S = replay(S, prev_refs)
             pool_out_ref[slot, h, :, cols] = state(S)
-        if mode.per_row_n and not mode.replay_first:  # commit: nothing but the state
+        if mode.replay_only:
             S = replay(S, window)
         else:
             for t in range(T):
@@ -69,7 +69,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
                     o_ref[b, t, h, :, cols] = out(S, t).astype(o_ref.dtype)
                 if mode.snapshot:
                     snap_ref[b, t, h, :, cols] = state(S)
-        if mode.write_state and not mode.replay_first:
+        if mode.writes_at_end:
             pool_out_ref[slot, h, :, cols] = state(S)
 
     @pl.when(jnp.logical_not(valid))

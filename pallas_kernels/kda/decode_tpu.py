@@ -62,7 +62,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: flo
         if mode.replay_first:
             replay(prev, T_prev)
             copy_out.start()  # overlaps the verify loop below
-        if mode.per_row_n and not mode.replay_first:  # commit: nothing but the state
+        if mode.replay_only:
             replay(w, T)
         else:
             S = s_vmem[...]
@@ -72,9 +72,9 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: flo
                     o_ref[0, 0, t : t + 1, :] = readout(S, qT[:, t : t + 1], scale).astype(o_ref.dtype)
                 if mode.snapshot:
                     snap_ref[0, t, 0] = S
-            if mode.write_state and not mode.replay_first:
+            if mode.writes_at_end:
                 s_vmem[...] = S
-        if mode.write_state and not mode.replay_first:
+        if mode.writes_at_end:
             copy_out.start()
         if mode.write_state:
             copy_out.wait()

@@ -198,7 +198,7 @@ def chunk_kda(
         starts = init
         if P > 1 or initial_state_fn is not None:
             ME = prefill_gpu.scan_call(prep, None, vstart, vend, ck_slot, summary=True,
-                                       **{**kw, "block_v": summary_block_v})
+                                       **dict(kw, block_v=summary_block_v))
             maps = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is not None:
                 M, E = jax.lax.associative_scan(combine_segments, maps, axis=1)

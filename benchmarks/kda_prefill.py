@@ -41,8 +41,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--shapes", default=None, help="B,T,H;B,T,H;... (default: the issue's shapes)")
     ap.add_argument("--segments", default="plan", help="comma list of segment counts; 'plan' is the planner's")
-    ap.add_argument("--configs", default="32:4:2:4",
-                    help="comma list of block_v:num_warps:num_stages:prep_num_warps")
+    ap.add_argument("--configs", default="auto:4:2:4",
+                    help="comma list of block_v:num_warps:num_stages:prep_num_warps (block_v auto: chunk_kda's choice)")
     ap.add_argument("--prep-precision", default="auto",
                     help="comma list: auto (single-pass TF32 products for bf16) and/or x3 (TF32x3 throughout)")
     ap.add_argument("--intermediates", default="auto",
@@ -56,8 +56,8 @@ def main():
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     shapes = SHAPES if a.shapes is None else [tuple(map(int, s.split(","))) for s in a.shapes.split(";")]
-    configs = [dict(zip(("block_v", "num_warps", "num_stages", "prep_num_warps"), map(int, c.split(":"))))
-               for c in a.configs.split(",")]
+    configs = [dict(zip(("block_v", "num_warps", "num_stages", "prep_num_warps"),
+                        (None if x == "auto" else int(x) for x in c.split(":")))) for c in a.configs.split(",")]
     theirs = lambda q, k, v, g, b: fla_chunk_kda(q, k, v, g, b, output_final_state=True)
 
     small = inputs(0, 1, 300, 2, 64, 64, jnp.float32)
@@ -70,7 +70,7 @@ def main():
     rows = []
     for B, T, H in shapes:
         xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
-        plan = lambda cfg: prefill.plan_segments(B, H, 128, T // 64, backend="gpu", block_v=cfg["block_v"])
+        plan = lambda cfg: prefill.plan_segments(B, H, 128, T // 64, backend="gpu")
         sweep = [(plan(cfg) if p == "plan" else int(p), cfg, pp, im, dg) for p in a.segments.split(",") for cfg in configs
                  for pp in a.prep_precision.split(",")
                  for im in a.intermediates.split(",") for dg in a.diag.split(",")]

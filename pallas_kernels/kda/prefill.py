@@ -30,11 +30,11 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
                   summary_paid=False):
     """Segments per sequence for the recurrent stage.
 
-    GPU: one program per (segment, head, column block). Segments add a summary pass (over
-    ``K + V`` columns) and a fold, and pay off when ``P x programs`` fills the SMs:
-    ``P = num_cores // programs``, used from ``P = 3`` (on the H200 at H = 4, T = 131072, 16
-    programs: P = 5 / 8 / 11 took 6.02 / 5.05 / 5.53 ms; at H = 12, 48 programs, P = 2 or 3 did
-    not help). When the summary pass runs anyway (``summary_paid``: an ``initial_state_fn``, as
+    GPU: one program per (segment, head, column block); ``chunk_kda`` runs split sequences at
+    ``block_v = 64``. Segments add a summary pass (over ``K + V`` columns) and a fold, and pay off
+    when ``P x programs`` fills the SMs: ``P = num_cores // programs``, used from ``P = 3`` (on the
+    H200 with bf16 recurrence operands: H = 12, T = 131072, 24 programs, P = 5 took 10.19 ms
+    against 12.04 unsplit; H = 4, P = 16 took 3.51 ms). When the summary pass runs anyway (``summary_paid``: an ``initial_state_fn``, as
     KCP passes), segments cost only their fold, so ``P`` fills the cores: ``P x programs >= num_cores``
     (P = 3 at H = 32 on the H200: 1.34x -> 1.48x for KCP on two GPUs). Segments keep at least
     ``min_chunks`` chunks. TPU: 1 (its one or two cores are filled by heads).
@@ -54,12 +54,18 @@ def gpu_head_dims_ok(*dims) -> bool:
     return all(d >= 16 and not d & (d - 1) for d in dims)
 
 
-def default_precision(precision, dtype):
-    """A GPU matmul precision: ``precision`` if given, else single-pass TF32 for 16-bit ``dtype``
-    (outputs round to 8 bits anyway), TF32x3 (float32-accurate) for float32."""
+def default_precision(precision, dtype, *, scan=False):
+    """A GPU matmul precision: ``precision`` if given, else TF32x3 (float32-accurate) for float32
+    ``dtype``; for 16-bit ``dtype`` (outputs round to 8 bits anyway) single-pass TF32, or for the
+    recurrence and output kernels (``scan``) bf16 operands with float32 accumulation, fla's
+    choice: the state stays float32 and only the matmul operands round. On the H200 that took
+    B1 T32k H32 from 7.81 to 6.23 ms with the same errors against the float32 reference (outputs
+    3.0e-3, states 1.9e-3 relative RMS)."""
     if precision is not None:
         return precision
-    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32 if jnp.dtype(dtype).itemsize < 4 else GPU_PRECISION
+    if jnp.dtype(dtype).itemsize == 4:
+        return GPU_PRECISION
+    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if scan else jax.lax.DotAlgorithmPreset.TF32_TF32_F32
 
 
 def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=_F32, bounded=False,
@@ -99,9 +105,9 @@ def _interpret(interpret, backend):
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
-    backend: str | None = None, interpret=None, block_v: int = 32, num_warps: int = 4, num_stages: int = 2,
+    backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
-    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64,
+    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, out_block_v: int | None = None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -112,15 +118,23 @@ def chunk_kda(
         kernels in the interpreter).
       interpret: None: interpret on CPU (``pltpu.InterpretParams()`` for the TPU kernels),
         compile elsewhere; or an explicit value passed to ``pallas_call``.
-      block_v, num_warps, num_stages: GPU recurrent-stage tiling and software pipelining (at B1 T32k
-        H32 on the H200, block_v 32 was 1.04x faster than 64: twice the programs for the serial
-        scan; 2 stages 1.07x faster than 1: the next chunk's loads overlap this chunk's matmuls).
+      block_v, num_warps, num_stages: GPU recurrent-stage tiling and software pipelining. block_v
+        None: 32 when each sequence runs as one segment (twice the programs of 64 for the serial
+        scan: at B1 T32k H32 on the H200 6.23 against 6.69 ms), 64 when split into segments (the
+        segments supply the programs, and wider blocks halve the re-reads of W and kd^T: at H4
+        T131k, 16 segments of 64 columns took 3.51 ms against 4.24 for 8 of 32). 2 stages were
+        1.07x faster than 1 (the next chunk's loads overlap this chunk's matmuls).
       summary_block_v: GPU column block of the segment summary pass, which runs over ``K + V``
         columns (twice the recurrence's programs). 64 against 32: KCP at T = 131072, H = 32 on two
         H200s went 1.64x -> 1.76x (2 segments per rank: 512 -> 256 programs); 128 gave 1.65x.
+      out_block_v: GPU column block of the output kernel (``qg S + Aqk V_new``), which reads qg and
+        Aqk once per column block. None: 128 with bf16 operands (6.23 against 6.52 ms for 64 at B1
+        T32k H32), 64 with TF32 operands (twice the registers; 64 beat 32 and 128 at three of four
+        shapes).
       prep_num_warps: GPU warps per token-parallel program.
-      scan_precision: GPU matmul precision of the recurrent and output stages; None: single-pass TF32 for
-        bf16/f16 inputs (their outputs round to 8 bits anyway), TF32x3 for float32 inputs.
+      scan_precision: GPU matmul precision of the recurrent and output stages; None: bf16 operands
+        with float32 accumulation for bf16/f16 inputs (the state stays float32), TF32x3 for float32
+        inputs (:func:`default_precision`).
       prep_precision: the same for the token-parallel stage's products (Aqk, Akk, W, U); its
         triangular inverse is always TF32x3 (float32-accurate).
       intermediate_dtype: GPU: the dtype of what the stages pass through memory (qg, Aqk, kd^T,
@@ -186,12 +200,16 @@ def chunk_kda(
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
                         num_warps=prep_num_warps, store_dtype=store, bounded=gate_lower_bound is not None,
                         interpret=interpret)
-        P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", block_v=block_v,
+        P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu",
                                           summary_paid=initial_state_fn is not None)
+        if block_v is None:
+            block_v = 64 if P > 1 else 32
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
-        scan_precision = default_precision(scan_precision, out_dtype)
+        scan_precision = default_precision(scan_precision, out_dtype, scan=True)
+        if out_block_v is None:
+            out_block_v = 128 if scan_precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32 else 64
         kw = dict(n_ck_slots=n_slots, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                   precision=scan_precision, interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
@@ -205,7 +223,7 @@ def chunk_kda(
                 init = initial_state_fn(M[:, -1], E[:, -1]).astype(_F32)
             starts = segment_initial_states(maps, init).reshape(N * P, HV, K, V)
         hs, v_new, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, **kw)
-        o = prefill_gpu.out_call(prep, hs, v_new, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps,
+        o = prefill_gpu.out_call(prep, hs, v_new, out_dtype=out_dtype, block_v=out_block_v, num_warps=num_warps,
                                  precision=scan_precision, interpret=interpret)
         final = final.reshape(N, P, HV, K, V)[:, -1]
     else:

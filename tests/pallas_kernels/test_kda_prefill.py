@@ -19,7 +19,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 
 from k3jax.ops import kda as ref
 from pallas_kernels.kda import prefill
-from pallas_kernels.kda._chunk import _merge_inverse
+from pallas_kernels.kda._chunk import GPU_PRECISION, _merge_inverse, gate_cumsum_call
 from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
 
 TPU_INTERPRET = pltpu.InterpretParams(
@@ -169,6 +169,19 @@ def test_bf16_intermediates(run):
     assert_close(s, s_r, "bf16")
     assert_close(ck, ck_r, "bf16")
     assert not bool(jnp.array_equal(o, o32))
+
+
+def test_gate_cumsum_kernel_and_default_precisions():
+    """The GPU cumsum kernel restarts every chunk; 16-bit inputs get bf16 recurrence operands
+    (float32 accumulation) and TF32 stage-1 products, float32 inputs TF32x3 everywhere."""
+    g = -jax.random.uniform(jax.random.key(8), (96, 3, 32), maxval=5.0)
+    G = gate_cumsum_call(g, C=32, interpret=True)
+    assert_close(G, jnp.cumsum(g.reshape(3, 32, 3, 32), axis=1).reshape(96, 3, 32), "f32_state")
+    presets = jax.lax.DotAlgorithmPreset
+    assert prefill.default_precision(None, jnp.bfloat16, scan=True) == presets.BF16_BF16_F32
+    assert prefill.default_precision(None, jnp.bfloat16) == presets.TF32_TF32_F32
+    assert prefill.default_precision(None, jnp.float32, scan=True) == GPU_PRECISION
+    assert prefill.default_precision(presets.F32_F32_F32, jnp.bfloat16, scan=True) == presets.F32_F32_F32
 
 
 def test_bad_arguments_are_rejected():

@@ -28,6 +28,29 @@ def time_jax(f, inputs, *, warmup=3, repeats=20):
     return statistics.median(ts)
 
 
+def device_seconds(f, steps=20):
+    """Device time per call of ``f()`` (no arguments; it returns what to wait on): the sum of the
+    GPU kernel durations in a ``jax.profiler`` trace of ``steps`` calls, over ``steps``. Unlike
+    wall-clock timers it excludes host dispatch, which dominates calls of a few microseconds
+    of device work (one-row decode windows)."""
+    import glob
+    import gzip
+    import tempfile
+
+    jax.block_until_ready(f())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                out = f()
+            jax.block_until_ready(out)
+        (path,) = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as fh:
+            events = json.load(fh)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return sum(e["dur"] for e in events if e.get("ph") == "X" and "GPU" in names.get(e["pid"], "")) * 1e-6 / steps
+
+
 def time_torch(f, inputs, *, warmup=3, repeats=20):
     """Median seconds of a CUDA torch callable, timed with CUDA events."""
     import torch

@@ -34,10 +34,11 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     ``block_v = 64``. Segments add a summary pass (over ``K + V`` columns) and a fold, and pay off
     when ``P x programs`` fills the SMs: ``P = num_cores // programs``, used from ``P = 3`` (on the
     H200 with bf16 recurrence operands: H = 12, T = 131072, 24 programs, P = 5 took 10.19 ms
-    against 12.04 unsplit; H = 4, P = 16 took 3.51 ms). When the summary pass runs anyway (``summary_paid``: an ``initial_state_fn``, as
-    KCP passes), segments cost only their fold, so ``P`` fills the cores: ``P x programs >= num_cores``
-    (P = 3 at H = 32 on the H200: 1.34x -> 1.48x for KCP on two GPUs). Segments keep at least
-    ``min_chunks`` chunks. TPU: 1 (its one or two cores are filled by heads).
+    against 12.04 unsplit; H = 4, P = 16 took 3.51 ms). When the summary pass runs anyway
+    (``summary_paid``: an ``initial_state_fn``, as KCP passes), segments cost only their fold, so
+    ``P`` fills the cores: ``P x programs >= num_cores`` (P = 3 per rank at H = 32: KCP 1.81x on two
+    H200s at T = 131072). Segments keep at least ``min_chunks`` chunks. TPU: 1 (its one or two
+    cores are filled by heads).
     """
     if backend not in ("gpu", "cuda", "rocm"):
         return 1

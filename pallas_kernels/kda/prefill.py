@@ -134,8 +134,9 @@ def chunk_kda(
         shapes).
       prep_num_warps: GPU warps per token-parallel program.
       scan_precision: GPU matmul precision of the recurrent and output stages; None: bf16 operands
-        with float32 accumulation for bf16/f16 inputs (the state stays float32), TF32x3 for float32
-        inputs (:func:`default_precision`).
+        with float32 accumulation for bf16/f16 inputs with bf16 intermediates (the default; the
+        state stays float32), single-pass TF32 for them with float32 intermediates, TF32x3 for
+        float32 inputs (:func:`default_precision`).
       prep_precision: the same for the token-parallel stage's products (Aqk, Akk, W, U); its
         triangular inverse is always TF32x3 (float32-accurate).
       intermediate_dtype: GPU: the dtype of what the stages pass through memory (qg, Aqk, kd^T,
@@ -208,7 +209,7 @@ def chunk_kda(
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
-        scan_precision = default_precision(scan_precision, out_dtype, scan=True)
+        scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
         if out_block_v is None:
             out_block_v = 128 if scan_precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32 else 64
         kw = dict(n_ck_slots=n_slots, block_v=block_v, num_warps=num_warps, num_stages=num_stages,

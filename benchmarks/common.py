@@ -28,11 +28,12 @@ def time_jax(f, inputs, *, warmup=3, repeats=20):
     return statistics.median(ts)
 
 
-def device_seconds(f, steps=20):
-    """Device time per call of ``f()`` (no arguments; it returns what to wait on): the sum of the
-    GPU kernel durations in a ``jax.profiler`` trace of ``steps`` calls, over ``steps``. Unlike
-    wall-clock timers it excludes host dispatch, which dominates calls of a few microseconds
-    of device work (one-row decode windows)."""
+def kernel_seconds(f, steps=20) -> dict:
+    """Device seconds per call of ``f()`` (no arguments; it returns what to wait on) by GPU kernel
+    name, from a ``jax.profiler`` trace of ``steps`` calls. Unlike wall-clock timers it excludes
+    host dispatch, which dominates calls of a few microseconds of device work (one-row decode
+    windows). Empty without a GPU."""
+    import collections
     import glob
     import gzip
     import tempfile
@@ -48,7 +49,16 @@ def device_seconds(f, steps=20):
             events = json.load(fh)
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    return sum(e["dur"] for e in events if e.get("ph") == "X" and "GPU" in names.get(e["pid"], "")) * 1e-6 / steps
+    per_kernel = collections.defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and "GPU" in names.get(e["pid"], ""):
+            per_kernel[e["name"]] += e["dur"] * 1e-6 / steps
+    return dict(per_kernel)
+
+
+def device_seconds(f, steps=20):
+    """Total of :func:`kernel_seconds`: the device time per call of ``f()``."""
+    return sum(kernel_seconds(f, steps).values())
 
 
 def time_torch(f, inputs, *, warmup=3, repeats=20):

@@ -1,0 +1,64 @@
+"""Device time per kernel: the Pallas prefill (``pallas_kernels.kda.chunk_kda``) and fla-core's
+``chunk_kda``, same process and inputs. Where the per-call wall clock of ``kda_prefill`` gives
+one number, this says which stage the time goes to on each side.
+
+Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (fla-core 0.6.0
+importable). Ours from a ``jax.profiler`` trace, fla's from ``torch.profiler``; microseconds
+per call. Writes ``$OUT/kernel_profile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import jax
+
+from benchmarks.common import kernel_seconds, to_torch, write_json
+from benchmarks.kda_reference import inputs
+from pallas_kernels.kda import chunk_kda
+
+STEPS = 10
+
+
+def fla_kernel_seconds(xs):
+    import torch
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    tx = [to_torch(x) for x in xs]
+    call = lambda: fla_chunk_kda(*tx, output_final_state=True)
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            call()
+        torch.cuda.synchronize()
+    def self_us(e):  # torch >= 2.4 names it device time, older versions cuda time
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    return {e.key: self_us(e) * 1e-6 / STEPS for e in prof.key_averages() if self_us(e) > 0}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1,32768,32", help="B,T,H;B,T,H;...")
+    a = ap.parse_args()
+    rows = []
+    for shape in a.shapes.split(";"):
+        B, T, H = map(int, shape.split(","))
+        xs = inputs(1, B, T, H)
+        ours_fn = jax.jit(chunk_kda)
+        ours = kernel_seconds(lambda: ours_fn(*xs), STEPS)
+        theirs = fla_kernel_seconds(xs)
+        rows.append({"B": B, "T": T, "H": H, "ours_us": {k: v * 1e6 for k, v in ours.items()},
+                     "fla_us": {k: v * 1e6 for k, v in theirs.items()}})
+        print(f"\nB={B} T={T} H={H}: ours {sum(ours.values()) * 1e6:.0f} us, fla {sum(theirs.values()) * 1e6:.0f} us")
+        for side, table in (("ours", ours), ("fla", theirs)):
+            for name, t in sorted(table.items(), key=lambda kv: -kv[1]):
+                print(f"  {side:4} {t * 1e6:9.1f} us  {name[:90]}")
+    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind}
+    write_json({"meta": meta, "rows": rows}, "kernel_profile.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -217,13 +217,25 @@ def chunk_kda(
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
         if P > 1 or initial_state_fn is not None:
-            ME = prefill_gpu.scan_call(prep, None, vstart, vend, ck_slot, summary=True,
+            seg = jnp.broadcast_to(p, (N, P))
+            if initial_state_fn is None:
+                # The maps only give the segments' starts: the first segment runs its E columns from
+                # the sequence's initial state (its map becomes the constant (0, M init + E)) and
+                # the last segment's map is never read.
+                table = [jnp.where(seg == 0, jnp.arange(N, dtype=jnp.int32)[:, None], -1), seg > 0, seg < P - 1]
+                e_start = init
+            else:  # the hook gets every sequence's whole map
+                table, e_start = [jnp.full((N, P), -1, jnp.int32), seg >= 0, seg >= 0], None
+            table = jnp.stack([x.astype(jnp.int32).reshape(-1) for x in table], axis=1)
+            ME = prefill_gpu.scan_call(prep, e_start, vstart, vend, table, summary=True,
                                        **dict(kw, block_v=summary_block_v))
-            maps = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
-            if initial_state_fn is not None:
-                M, E = jax.lax.associative_scan(combine_segments, maps, axis=1)
-                init = initial_state_fn(M[:, -1], E[:, -1]).astype(_F32)
-            starts = segment_initial_states(maps, init).reshape(N * P, HV, K, V)
+            M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
+            if initial_state_fn is None:
+                M = jnp.where((seg == 0)[:, :, None, None, None], 0.0, M)
+            else:
+                M_all, E_all = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
+                init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)
+            starts = segment_initial_states((M, E), init).reshape(N * P, HV, K, V)
         hs, v_new, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, **kw)
         o = prefill_gpu.out_call(prep, hs, v_new, out_dtype=out_dtype, block_v=out_block_v, num_warps=num_warps,
                                  precision=scan_precision, interpret=interpret)

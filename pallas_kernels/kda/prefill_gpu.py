@@ -12,6 +12,8 @@ whole arrays indexed in the kernel (stage 2).
 ``summary=True`` computes each virtual sequence's affine map ``S -> M S + E`` instead of
 outputs: the recurrence is independent across state columns, so running it on ``K + V``
 columns that start as ``[I | 0]``, with U replaced by 0 in the first K, gives ``[M | E]``.
+Started from ``[I | S_in]`` the E columns give ``M S_in + E`` directly (a sequence's first
+segment, whose start is known), and column blocks whose results nobody reads are skipped.
 """
 
 from __future__ import annotations
@@ -26,17 +28,25 @@ from pallas_kernels.kda._chunk import _F32, _HI, GPU_PRECISION, _dot
 
 
 def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, *outs, BV: int,
-                 summary: bool, precision):
+                 summary: bool, precision, e_init: bool = False):
+    """``ck_ref``: the recurrence's checkpoint slot per chunk; in summary mode, per virtual sequence,
+    the row of ``init_ref`` its E columns start from (-1: zero) and whether its M and E columns
+    run (1) or keep their start (0)."""
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K = w_ref.shape[-1]
     C = kdT_ref.shape[-1]
+    lo, hi = vstart_ref[s], vend_ref[s]
     if summary:
         (final_ref,) = outs
         nK = K // BV
         is_m = j < nK
         ucols = pl.ds(jnp.maximum(j - nK, 0) * BV, BV)
         eye = jax.lax.broadcasted_iota(jnp.int32, (K, BV), 0) == jax.lax.broadcasted_iota(jnp.int32, (K, BV), 1) + j * BV
+        src = ck_ref[s, 0]
         S0 = jnp.where(is_m & eye, 1.0, 0.0).astype(_F32)
+        if e_init:  # static: ``init_ref`` holds states (else a placeholder)
+            S0 = jnp.where(is_m | (src < 0), S0, init_ref[jnp.maximum(src, 0), h, :, ucols])
+        hi = jnp.where(jnp.where(is_m, ck_ref[s, 1], ck_ref[s, 2]) > 0, hi, lo)
         u_scale = jnp.clip(j - nK + 1, 0, 1).astype(_F32)  # 0 for the M columns
     else:
         hs_ref, vnew_ref, final_ref, ckpt_ref = outs
@@ -61,7 +71,7 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref,
 
         return S
 
-    final_ref[s, h, :, cols] = jax.lax.fori_loop(vstart_ref[s], vend_ref[s], body, S0)
+    final_ref[s, h, :, cols] = jax.lax.fori_loop(lo, hi, body, S0)
 
 
 def params(num_warps, num_stages):
@@ -74,7 +84,10 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, b
               num_stages=1, precision=GPU_PRECISION, interpret=False):
     """Stage 2, the state recurrence only (two matmuls per chunk); :func:`out_call` then gives the outputs.
 
-    ``prep`` is stage 1's output; ``init f32[Nv, HV, K, V]`` (ignored when ``summary``).
+    ``prep`` is stage 1's output; ``init f32[Nv, HV, K, V]``. When ``summary``: ``ck_slot`` is
+    ``int32[Nv, 3]``, per virtual sequence the row of ``init`` (``f32[N, HV, K, V]``, or None)
+    its E columns start from (-1: zero, the map's own E), and whether its M and its E columns
+    run (1) or return their start (0: I for M).
     Returns ``(states [HV, NC, K, V], V_new [HV, TT, V], final f32[Nv, HV, K, V],
     ckpts f32[n_ck_slots, HV, K, V])``: the state entering every chunk and ``U - W S`` of every
     chunk (in stage 1's store dtype; the recurrence itself runs in float32), each virtual
@@ -90,14 +103,15 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, b
     if V % BV or K % BV:
         raise ValueError(f"K={K} and V={V} must be multiples of block_v={BV}")
     width = K + V if summary else V
+    e_init = summary and init is not None
     if summary:
         out_shape = [jax.ShapeDtypeStruct((Nv, HV, K, width), _F32)]
-        init = jnp.zeros((1, 1, 1, 1), _F32)
+        init = jnp.zeros((1, 1, 1, 1), _F32) if init is None else init
     else:
         out_shape = [jax.ShapeDtypeStruct((HV, TT // kdT.shape[-1], K, V), W.dtype), jax.ShapeDtypeStruct((HV, TT, V), W.dtype),
                      jax.ShapeDtypeStruct((Nv, HV, K, V), _F32), jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32)]
     outs = pl.pallas_call(
-        functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else precision),
+        functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else precision, e_init=e_init),
         grid=(Nv, HV, width // BV),
         out_shape=out_shape,
         compiler_params=None if interpret else params(num_warps, num_stages),

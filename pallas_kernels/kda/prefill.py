@@ -222,7 +222,8 @@ def chunk_kda(
                 # The maps only give the segments' starts: the first segment runs its E columns from
                 # the sequence's initial state (its map becomes the constant (0, M init + E)) and
                 # the last segment's map is never read.
-                table = [jnp.where(seg == 0, jnp.arange(N, dtype=jnp.int32)[:, None], -1), seg > 0, seg < P - 1]
+                last = seg == P - 1
+                table = [jnp.where(seg == 0, jnp.arange(N, dtype=jnp.int32)[:, None], -1), (seg > 0) & ~last, ~last]
                 e_start = init
             else:  # the hook gets every sequence's whole map
                 table, e_start = [jnp.full((N, P), -1, jnp.int32), seg >= 0, seg >= 0], None

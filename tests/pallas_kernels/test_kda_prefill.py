@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from k3jax.ops import kda as ref
-from pallas_kernels.kda import prefill
+from pallas_kernels.kda import prefill, prefill_gpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, _merge_inverse, gate_cumsum_call
 from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
 
@@ -182,6 +182,26 @@ def test_gate_cumsum_kernel_and_default_precisions():
     assert prefill.default_precision(None, jnp.bfloat16) == presets.TF32_TF32_F32
     assert prefill.default_precision(None, jnp.float32, scan=True) == GPU_PRECISION
     assert prefill.default_precision(presets.F32_F32_F32, jnp.bfloat16, scan=True) == presets.F32_F32_F32
+
+
+def test_summary_pass_skips_and_starts():
+    """The GPU summary pass (interpreted): a segment whose E columns start from a state returns
+    ``M S + E`` of the full map there; skipped column blocks return their start (I, 0)."""
+    T, H, K, V, C = 64, 1, 16, 32, 16
+    q, k, v, g, beta = (x.reshape(T, *x.shape[2:]) for x in kda_inputs(9, 1, T, H, H, K, V))
+    prep = prefill.gpu_prep(q, k, v, g, beta[..., None], C=C, scale=K**-0.5, precision=None, interpret=True)
+    vstart, vend = jnp.array([0, 2], jnp.int32), jnp.array([2, 4], jnp.int32)  # two segments of two chunks
+    run = partial(prefill_gpu.scan_call, prep, vstart=vstart, vend=vend, n_ck_slots=1, summary=True, block_v=16,
+                  interpret=True)
+    full = run(None, ck_slot=jnp.array([[-1, 1, 1], [-1, 1, 1]], jnp.int32))
+    S0 = random_state(9, (1, H, K, V))
+    part = run(S0, ck_slot=jnp.array([[0, 0, 1], [-1, 0, 0]], jnp.int32))
+    M, E = full[0, 0, :, :K], full[0, 0, :, K:]
+    assert_close(part[0, 0, :, K:], M @ S0[0, 0] + E, "f32_state")
+    eye = jnp.eye(K)
+    assert bool(jnp.array_equal(part[0, 0, :, :K], eye)) and bool(jnp.array_equal(part[1, 0, :, :K], eye))
+    assert not np.any(np.asarray(part[1, 0, :, K:]))
+    assert not bool(jnp.allclose(full[1, 0, :, :K], eye))  # the skipped segment's map is not the identity
 
 
 def test_bad_arguments_are_rejected():

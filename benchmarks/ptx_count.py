@@ -135,11 +135,11 @@ def compile_ptx(module: str, num_warps: int, num_stages: int) -> dict:
                 spill_bytes=int(spills.group(1)) if spills else None, shared_bytes=kernel.metadata.shared)
 
 
-def _prefill_case(B=1, T=1024, H=2, K=128, V=128):
+def _prefill_case(B=1, T=1024, H=2, K=128, V=128, num_segments=1):
     spec = jax.ShapeDtypeStruct
     args = (spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, V), jnp.bfloat16),
             spec((B, T, H, K), jnp.float32), spec((B, T, H), jnp.bfloat16))
-    return functools.partial(prefill.chunk_kda, backend="gpu", interpret=False, num_segments=1), args
+    return functools.partial(prefill.chunk_kda, backend="gpu", interpret=False, num_segments=num_segments), args
 
 
 def _window_case(mode, T, B=4, H=2, K=128, V=128):
@@ -152,6 +152,7 @@ def _window_case(mode, T, B=4, H=2, K=128, V=128):
 
 CASES = {
     "prefill": _prefill_case,
+    "prefill_segments": lambda: _prefill_case(num_segments=3),  # + the summary pass, recurrence at block_v 64
     "verify": lambda: _window_case(_window.VERIFY, 8),
     "commit": lambda: _window_case(_window.COMMIT, 8),
     "decode": lambda: _window_case(_window.DECODE, 1),

@@ -89,6 +89,18 @@ def time_back_to_back(step, pool, args, *, steps=20, rounds=5):
     return statistics.median(ts), pool
 
 
+def device_per_step(step, pool, args):
+    """:func:`time_back_to_back`'s dependent steps timed as kernel time alone
+    (:func:`benchmarks.common.device_seconds`). Returns ``(seconds, pool)``."""
+    box = [pool]
+
+    def call():
+        box[0] = step(box[0], *args)[-1]
+        return box[0]
+
+    return device_seconds(call), box[0]
+
+
 def torch_back_to_back(f, *, steps=20, rounds=5):
     """:func:`time_back_to_back` for a torch callable, timed with CUDA events around each round."""
     import torch
@@ -167,14 +179,8 @@ def main():
                                       ("fused", fused_step, fused_args[0])):
                     t, pool = time_back_to_back(step, pool, x)
                     b2b[f"{name}_b2b_us"] = t * 1e6
-                    holder = [pool]  # kernel time alone (profiler), the pool threaded through the calls
-
-                    def call(step=step, x=x):
-                        holder[0] = step(holder[0], *x)[-1]
-                        return holder[0]
-
-                    b2b[f"{name}_device_us"] = device_seconds(call) * 1e6
-                    pool = holder[0]
+                    t, pool = device_per_step(step, pool, x)
+                    b2b[f"{name}_device_us"] = t * 1e6
                 del pool
                 win_bytes = B * T * H * (2 * K * 2 + V * 2 + K * 4 + 2) + B * T * H * V * 2
                 # Replay: read state (verify) + read and write it (commit). Snapshot: read state,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
@@ -217,22 +218,21 @@ def chunk_kda(
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
         if P > 1 or initial_state_fn is not None:
-            seg = jnp.broadcast_to(p, (N, P))
+            seg = np.broadcast_to(np.arange(P), (N, P))
             if initial_state_fn is None:
                 # The maps only give the segments' starts: the first segment runs its E columns from
                 # the sequence's initial state (its map becomes the constant (0, M init + E)) and
                 # the last segment's map is never read.
-                last = seg == P - 1
-                table = [jnp.where(seg == 0, jnp.arange(N, dtype=jnp.int32)[:, None], -1), (seg > 0) & ~last, ~last]
-                e_start = init
+                src = np.where(seg == 0, np.arange(N)[:, None], -1)
+                table, e_start = (src, (seg > 0) & (seg < P - 1), seg < P - 1), init
             else:  # the hook gets every sequence's whole map
-                table, e_start = [jnp.full((N, P), -1, jnp.int32), seg >= 0, seg >= 0], None
-            table = jnp.stack([x.astype(jnp.int32).reshape(-1) for x in table], axis=1)
+                table, e_start = (np.full((N, P), -1), np.ones((N, P)), np.ones((N, P))), None
+            table = jnp.asarray(np.stack(table, axis=-1).reshape(N * P, 3), jnp.int32)
             ME = prefill_gpu.scan_call(prep, e_start, vstart, vend, table, summary=True,
                                        **dict(kw, block_v=summary_block_v))
             M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is None:
-                M = jnp.where((seg == 0)[:, :, None, None, None], 0.0, M)
+                M = M.at[:, 0].set(0.0)
             else:
                 M_all, E_all = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
                 init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)

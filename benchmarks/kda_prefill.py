@@ -41,7 +41,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--shapes", default=None, help="B,T,H;B,T,H;... (default: the issue's shapes)")
     ap.add_argument("--segments", default="plan", help="comma list of segment counts; 'plan' is the planner's")
-    ap.add_argument("--configs", default="auto:4:2:4",
+    ap.add_argument("--configs", default="auto:4:3:4",
                     help="comma list of block_v:num_warps:num_stages:prep_num_warps (block_v auto: chunk_kda's choice)")
     ap.add_argument("--prep-precision", default="auto",
                     help="comma list: auto (single-pass TF32 products for bf16) and/or x3 (TF32x3 throughout)")

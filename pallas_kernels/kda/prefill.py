@@ -107,7 +107,7 @@ def _interpret(interpret, backend):
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
-    backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
     intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, out_block_v: int | None = None,
 ):
@@ -124,8 +124,9 @@ def chunk_kda(
         None: 32 when each sequence runs as one segment (twice the programs of 64 for the serial
         scan: at B1 T32k H32 on the H200 6.23 against 6.69 ms), 64 when split into segments (the
         segments supply the programs, and wider blocks halve the re-reads of W and kd^T: at H4
-        T131k, 16 segments of 64 columns took 3.51 ms against 4.24 for 8 of 32). 2 stages were
-        1.07x faster than 1 (the next chunk's loads overlap this chunk's matmuls).
+        T131k, 16 segments of 64 columns took 3.51 ms against 4.24 for 8 of 32). 3 stages (the
+        next chunks' loads overlap this chunk's matmuls): the recurrence at B1 T32k H32 took
+        0.94 ms against 1.15 with 2 and 0.94 with 4 (but 4 was 1.4x slower than 3 at H12 T131k).
       summary_block_v: GPU column block of the segment summary pass, which runs over ``K + V``
         columns (twice the recurrence's programs). 64 against 32: KCP at T = 131072, H = 32 on two
         H200s went 1.64x -> 1.76x (2 segments per rank: 512 -> 256 programs); 128 gave 1.65x.

@@ -201,7 +201,7 @@ _SPAN_SAFE = 60.0
 
 
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
-               bounded=False, k_piece=32, k_block=64, inv_precision=_HI):
+               bounded=False, k_piece=32, k_block=64):
     """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
 
     Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). One ``[16, K] x [K, C]``
@@ -238,10 +238,11 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         k_anc = k_ref[:, cols].astype(_F32) * _exp(up + upto)
         return (A[0] + _dot_nt(q_ref[rows, cols].astype(_F32) * to_anchor, k_anc, precision),
                 A[1] + _dot_nt(k_ref[rows, cols].astype(_F32) * to_anchor, k_anc, precision),
-                *([] if bounded else [jnp.minimum(A[2], down)]))  # the deepest descent below the anchor
+                *(jnp.minimum(m, down) for m in A[2:]))  # unless bounded: the deepest descent below the anchor
 
     zero = jnp.zeros((SUB, C), _F32)
-    Aq, Ak, *down = jax.lax.fori_loop(0, K // kb, k_slice, (zero, zero, *([] if bounded else [jnp.zeros((SUB, kb), _F32)])))
+    lowest = () if bounded else (jnp.zeros((SUB, kb), _F32),)
+    Aq, Ak, *down = jax.lax.fori_loop(0, K // kb, k_slice, (zero, zero, *lowest))
     Gi = G_ref[rows, :]
     if not bounded:
         def exact(A):
@@ -261,7 +262,7 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     n_ref[...] = jnp.where(cc < start, bi * Ak, 0.0)
     place = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
     qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(Gi)).astype(qg_ref.dtype)
-    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32), bi * _dot(Ak, place), 1, inv_precision)
+    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32), bi * _dot(Ak, place), 1, _HI)
 
 
 def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
@@ -315,7 +316,7 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
-                  compiler_params=None, rows_compiler_params=None, interpret=False):
+                  compiler_params=None, interpret=False):
     """GPU stage 1 as two kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A over
     ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
@@ -340,7 +341,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
         out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
-        compiler_params=rows_compiler_params or compiler_params,
+        compiler_params=compiler_params,
         interpret=interpret,
     )(q, k, g, G, beta)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))

@@ -215,7 +215,7 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     only in sub-chunks that need it). The choice depends on the row's own gates only, so future
     tokens never change a row's bits. ``bounded`` (gates >= -5: spans <= 75, finite): no fallback.
     Entries right of the causal diagonal are selected away (they may overflow).
-    The diagonal block's unit lower inverse by block doubling (1 -> 16) in IEEE float32. Writes
+    The diagonal block's unit lower inverse by block doubling (2 -> 16) in IEEE float32. Writes
     ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal
     block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
     """
@@ -262,7 +262,10 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     n_ref[...] = jnp.where(cc < start, bi * Ak, 0.0)
     place = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
     qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(Gi)).astype(qg_ref.dtype)
-    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0).astype(_F32), bi * _dot(Ak, place), 1, _HI)
+    D = bi * _dot(Ak, place)  # the diagonal block, strictly lower
+    # Doubling from 2 x 2 blocks: their inverses are I - D's entries inside them (what the first
+    # level's products give, bit for bit).
+    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0) - jnp.where(_block_mask(SUB, 1), D, 0.0), D, 2, _HI)
 
 
 def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,

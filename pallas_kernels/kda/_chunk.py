@@ -5,7 +5,6 @@ reductions, ``iota`` masks and float32 matmuls (TF32x3 on a GPU, HIGHEST on TPU 
 interpreters). Rows are addressed only through static ref slices of 16-row sub-chunks;
 values are never sliced (the Triton lowering cannot), so rows are picked with masked
 reductions and blocks are placed with 0/1 placement matmuls (exact: one non-zero per column).
-(GPU kernel B, which runs only on Triton, reads one tile by a gather load instead.)
 
 Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   G = cumsum(g), Aqk (scaled, causal), Akk (beta, strictly causal), W = T (beta k exp G),
@@ -273,16 +272,16 @@ def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_
                 inv_precision, block=64):
     """GPU stage 1, kernel B: the chunk's inverse from kernel A's pieces, then W, U, kd^T, decay.
 
-    The diagonal inverses ``Xd [C, 16]`` are loaded as a block-diagonal ``[C, C]`` (a gather:
-    exact, where a 0/1 TF32x3 matmul was not); block doubling (16 -> C) with ``N`` gives
-    ``(I + Akk)^-1`` (:func:`_merge_inverse`).
+    The diagonal inverses ``Xd [C, 16]`` are spread to a block-diagonal ``[C, C]`` by one 0/1
+    matmul; block doubling (16 -> C) with ``N`` gives ``(I + Akk)^-1`` (:func:`_merge_inverse`).
     W, kd^T and decay are formed per ``block`` columns of K, U per ``block`` columns of V (fewer
     live registers).
     """
     C, K = k_ref.shape
     V = v_ref.shape[1]
     r, c = _iota((C, C), 0), _iota((C, C), 1)
-    X = jnp.where(jax.lax.div(r, SUB) == jax.lax.div(c, SUB), xd_ref[r, jax.lax.rem(c, SUB)], 0.0)
+    spread = jnp.where(jax.lax.rem(_iota((SUB, C), 1), SUB) == _iota((SUB, C), 0), 1.0, 0.0).astype(_F32)
+    X = jnp.where(jax.lax.div(r, SUB) == jax.lax.div(c, SUB), _dot(xd_ref[...], spread, inv_precision), 0.0)
     X = _merge_inverse(X, n_ref[...], SUB, inv_precision)
     beta = beta_ref[...].astype(_F32)
     kb, vb = min(block, K), min(block, V)
@@ -327,7 +326,8 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     kernel B over ``(chunk, head)`` merges the inverse (16 -> C) and writes W, U, kd^T, decay.
     Token-major inputs ``q, k [TT, H, K]``, ``v [TT, HV, V]``, ``g [TT, HV, K]``,
     ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for kernel B's
-    inverse merge (its doubling steps; kernel A's 16 x 16 inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U). ``store_dtype``
+    inverse merge (its doubling steps and the spread of the diagonal blocks; kernel A's 16 x 16
+    inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U). ``store_dtype``
     is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T, W, U; bfloat16 halves their
     traffic); the inverse's pieces and decay stay float32. ``bounded``: see :func:`_rows_body`.
     """

@@ -126,7 +126,7 @@ def chunk_kda(
         segments supply the programs, and wider blocks halve the re-reads of W and kd^T: at H4
         T131k, 16 segments of 64 columns took 3.51 ms against 4.24 for 8 of 32). 3 stages (the
         next chunks' loads overlap this chunk's matmuls): the recurrence at B1 T32k H32 took
-        0.94 ms against 1.15 with 2 and 0.94 with 4 (but 4 was 1.4x slower than 3 at H12 T131k).
+        0.94 ms against 1.15 with 2 and 0.94 with 4 (but 4 was 1.4-1.6x slower than 3 at H12 T131k).
       summary_block_v: GPU column block of the segment summary pass, which runs over ``K + V``
         columns (twice the recurrence's programs). 64 against 32: KCP at T = 131072, H = 32 on two
         H200s went 1.64x -> 1.76x (2 segments per rank: 512 -> 256 programs); 128 gave 1.65x.

@@ -70,8 +70,8 @@ def main():
     rows = []
     for B, T, H in shapes:
         xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
-        plan = lambda cfg: prefill.plan_segments(B, H, 128, T // 64, backend="gpu")
-        sweep = [(plan(cfg) if p == "plan" else int(p), cfg, pp, im, dg) for p in a.segments.split(",") for cfg in configs
+        planned = prefill.plan_segments(B, H, 128, T // 64, backend="gpu")
+        sweep = [(planned if p == "plan" else int(p), cfg, pp, im, dg) for p in a.segments.split(",") for cfg in configs
                  for pp in a.prep_precision.split(",")
                  for im in a.intermediates.split(",") for dg in a.diag.split(",")]
         t_fla = time_torch(theirs, [tuple(to_torch(x) for x in x3) for x3 in xs], repeats=a.repeats)
@@ -92,7 +92,7 @@ def main():
                                    gate_lower_bound=bound if dg == "bounded" else None, **cfg))
             o, S = ours(*xs[0])
             err_o, err_s = rel_rms(o.astype(jnp.float32), o_f), rel_rms(S, S_f)
-            row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": plan(cfg), **cfg, "prep": pp,
+            row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned, **cfg, "prep": pp,
                    "intermediates": im, "diag": dg, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
             if max(err_o, err_s) > MATCH_TOL:
                 row["status"] = "MISMATCH: speed not reported"

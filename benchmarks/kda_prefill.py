@@ -84,7 +84,7 @@ def main():
             if key not in t_prep:
                 st = jax.jit(partial(stage1, num_warps=pw, prep_precision=PREP_PRECISIONS[pp],
                                      store_dtype=INTERMEDIATES[im], bounded=dg == "bounded"))
-                # Kernel A alone (with the cumsum kernel): only qg is kept, so jit drops kernel B.
+                # Kernel A alone (with the cumsum kernel): only qg is kept, so jit drops kernels B and C.
                 st_a = jax.jit(lambda *x, st=st: st(*x)[0])
                 t_prep[key] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)
             ours = jax.jit(partial(prefill.chunk_kda, num_segments=P, prep_precision=PREP_PRECISIONS[pp],

@@ -12,11 +12,11 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   qg = scale q exp G, kd^T = (k exp(G_C - G))^T, decay = exp(G_C) as a column.
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
-  The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as two
+  The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as three
   kernels: per 16-row sub-chunk (:func:`_rows_body`: anchored matmuls against the whole chunk,
   diagonal block included while the gate span allows, exact pairwise differences beyond it;
-  the diagonal block's inverse by block doubling), then per chunk the inverse merge
-  (:func:`_merge_inverse`) and W, U.
+  the diagonal block's inverse by block doubling), per chunk the inverse by forward
+  substitution over 16 x 16 blocks (:func:`_inverse_body`, one warp), then per chunk W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
   V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels split
   it: the loop carries S only, the outputs come from a parallel kernel (``prefill_gpu``).
@@ -268,21 +268,38 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0) - jnp.where(_block_mask(SUB, 1), D, 0.0), D, 2, _HI)
 
 
-def _merge_body(k_ref, v_ref, G_ref, beta_ref, n_ref, xd_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision,
-                inv_precision, block=64):
-    """GPU stage 1, kernel B: the chunk's inverse from kernel A's pieces, then W, U, kd^T, decay.
+def _inverse_body(n_ref, xd_ref, x_ref, *, precision):
+    """GPU stage 1, kernel B: one chunk's ``X = (I + N)^-1`` from kernel A's pieces (``N`` strictly
+    lower: beta Akk left of the diagonal blocks; ``Xd [C, 16]`` the diagonal blocks' inverses), by
+    forward substitution over 16 x 16 blocks: ``X_ij = -X_ii sum_{j <= m < i} N_im X_mj``, exact
+    elimination (no series). Blocks are read and written through static ref slices, so every
+    product is ``[16, 16] x [16, 16]``.
+    """
+    nb = n_ref.shape[0] // SUB
+    blk = lambda i: pl.ds(i * SUB, SUB)
+    zero = jnp.zeros((SUB, SUB), _F32)
+    X = {}
+    for i in range(nb):
+        X[i, i] = xd_ref[blk(i), :]
+        N = [n_ref[blk(i), blk(m)] for m in range(i)]
+        for j in range(i):
+            acc = zero
+            for m in range(j, i):
+                acc = acc + _dot(N[m], X[m, j], precision)
+            X[i, j] = -_dot(X[i, i], acc, precision)
+        for j in range(nb):
+            x_ref[blk(i), blk(j)] = X[i, j] if j <= i else zero
 
-    The diagonal inverses ``Xd [C, 16]`` are spread to a block-diagonal ``[C, C]`` by one 0/1
-    matmul; block doubling (16 -> C) with ``N`` gives ``(I + Akk)^-1`` (:func:`_merge_inverse`).
+
+def _wu_body(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_ref, *, precision, block=64):
+    """GPU stage 1, kernel C: W, U, kd^T and decay of one chunk from its inverse ``X``.
+
     W, kd^T and decay are formed per ``block`` columns of K, U per ``block`` columns of V (fewer
     live registers).
     """
     C, K = k_ref.shape
     V = v_ref.shape[1]
-    r, c = _iota((C, C), 0), _iota((C, C), 1)
-    spread = jnp.where(jax.lax.rem(_iota((SUB, C), 1), SUB) == _iota((SUB, C), 0), 1.0, 0.0).astype(_F32)
-    X = jnp.where(jax.lax.div(r, SUB) == jax.lax.div(c, SUB), _dot(xd_ref[...], spread, inv_precision), 0.0)
-    X = _merge_inverse(X, n_ref[...], SUB, inv_precision)
+    X = x_ref[...]
     beta = beta_ref[...].astype(_F32)
     kb, vb = min(block, K), min(block, V)
 
@@ -319,17 +336,20 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
-                  compiler_params=None, interpret=False):
-    """GPU stage 1 as two kernels of small programs (many per SM; one fused kernel per chunk was
-    1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A over
-    ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
-    kernel B over ``(chunk, head)`` merges the inverse (16 -> C) and writes W, U, kd^T, decay.
+                  compiler_params=None, inverse_compiler_params=None, interpret=False):
+    """GPU stage 1 as three kernels of small programs (many per SM; one fused kernel per chunk was
+    1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
+    over ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
+    kernel B over ``(chunk, head)`` forms the chunk's inverse ``X`` (float32, ``[HV, TT, C]``);
+    kernel C over ``(chunk, head)`` writes W, U, kd^T, decay.
     Token-major inputs ``q, k [TT, H, K]``, ``v [TT, HV, V]``, ``g [TT, HV, K]``,
     ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for kernel B's
-    inverse merge (its doubling steps and the spread of the diagonal blocks; kernel A's 16 x 16
-    inverses are IEEE float32), ``precision`` for the products (Aqk, Akk, W, U). ``store_dtype``
-    is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T, W, U; bfloat16 halves their
-    traffic); the inverse's pieces and decay stay float32. ``bounded``: see :func:`_rows_body`.
+    products (kernel A's 16 x 16 inverses are IEEE float32), ``precision`` for the products
+    (Aqk, Akk, W, U). ``store_dtype`` is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T,
+    W, U; bfloat16 halves their traffic); the inverse's pieces and decay stay float32.
+    ``bounded``: see :func:`_rows_body`. ``inverse_compiler_params`` are kernel B's (one warp:
+    its ``[16, 16]`` products replicate across warps; 1 warp took 168 us at B1 T32k H32 on the
+    H200, 2 warps 240, 4 warps 408), ``compiler_params`` the other kernels'.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -348,16 +368,25 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         interpret=interpret,
     )(q, k, g, G, beta)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
+    X = pl.pallas_call(
+        partial(_inverse_body, precision=inv_precision),
+        grid=(NC, HV),
+        in_specs=[rows(C), rows(SUB)],
+        out_specs=rows(C),
+        out_shape=f32(HV, TT, C),
+        compiler_params=inverse_compiler_params,
+        interpret=interpret,
+    )(N, Xd)
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
     kdT, W, U, decay = pl.pallas_call(
-        partial(_merge_body, precision=precision, inv_precision=inv_precision),
+        partial(_wu_body, precision=precision),
         grid=(NC, HV),
-        in_specs=[tok(K, True), tok(V, False), tok(K, False), tok(1, False), rows(C), rows(SUB)],
+        in_specs=[tok(K, True), tok(V, False), tok(K, False), tok(1, False), rows(C)],
         out_specs=[per_chunk(C), rows(K), rows(V), per_chunk(1)],
         out_shape=[st(HV, NC, K, C), st(HV, TT, K), st(HV, TT, V), f32(HV, NC, K, 1)],
         compiler_params=compiler_params,
         interpret=interpret,
-    )(k, v, G, beta, N, Xd)
+    )(k, v, G, beta, X)
     return qg, kdT, W, U, aqk, decay
 
 

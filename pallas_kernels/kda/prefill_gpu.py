@@ -1,6 +1,6 @@
 """GPU prefill kernels (Pallas Triton lowering; README.md says why not Mosaic GPU).
 
-Stage 1 is :func:`pallas_kernels.kda._chunk.gpu_prep_call` (two kernels) on token-major
+Stage 1 is :func:`pallas_kernels.kda._chunk.gpu_prep_call` (three kernels) on token-major
 inputs. Stage 2, :func:`scan_call`, has grid ``(virtual sequences, HV, column blocks)``: each
 program keeps ``f32[K, BV]`` of one state in registers and loops over its virtual sequence's
 chunks (``vstart[s] <= c < vend[s]``) doing only ``V_new = U - W S`` and

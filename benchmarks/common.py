@@ -28,6 +28,22 @@ def time_jax(f, inputs, *, warmup=3, repeats=20):
     return statistics.median(ts)
 
 
+def time_back_to_back_calls(call, wait, *, steps=10, rounds=5):
+    """Seconds per call of ``call()`` issued ``steps`` times without waiting, then ``wait(last
+    result)``: the same host clock for any library (JAX: ``jax.block_until_ready``; torch:
+    ``lambda _: torch.cuda.synchronize()``), so launch gaps count on both sides and the one sync
+    latency is spread over the round. Median over rounds, after one warm-up call."""
+    wait(call())
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = call()
+        wait(out)
+        ts.append((time.perf_counter() - t0) / steps)
+    return statistics.median(ts)
+
+
 def kernel_seconds(f, steps=20) -> dict:
     """Device seconds per call of ``f()`` (no arguments; it returns what to wait on) by GPU kernel
     name, from a ``jax.profiler`` trace of ``steps`` calls. Unlike wall-clock timers it excludes

@@ -4,6 +4,12 @@ Run on the GPU: ``python3 -m benchmarks.kda_prefill`` (fla-core 0.6.0 importable
 JSON row per shape and writes ``$OUT/kda_prefill.json``. Speed is reported only where our bf16
 output matches fla's within 1e-2 (both round to bf16). Each row also gives the time of the
 token-parallel stage alone and the planner's segment count; ``--segments`` sweeps it.
+
+Three ratios per row: ``ours_over_fla`` per call (ours by the host clock around dispatch and
+sync, fla by CUDA events around its launches: the sync latency counts against ours only, kept
+for comparison with earlier rows); ``ours_over_fla_b2b``, both by the same host clock over
+back-to-back calls (:func:`benchmarks.common.time_back_to_back_calls`); ``ours_over_fla_device``,
+the sums of kernel time from each library's profiler (launch gaps excluded on both sides).
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import kda_prefill_hw, rel_rms, time_jax, time_torch, to_torch, write_json
+from benchmarks.common import (device_seconds, kda_prefill_hw, rel_rms, time_back_to_back_calls, time_jax, time_torch,
+                               to_torch, write_json)
 from benchmarks.kda_reference import inputs
+from benchmarks.kernel_profile import fla_kernel_seconds
 from k3jax.ops.kda import naive_recurrent_kda
 from pallas_kernels.kda import prefill
 from pallas_kernels.kda._chunk import GPU_PRECISION
@@ -53,6 +61,7 @@ def main():
     if "bounded" in a.diag and not a.k3_gates:
         ap.error("--diag bounded needs --k3-gates")
     bound = -5.0 if a.k3_gates else None
+    import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     shapes = SHAPES if a.shapes is None else [tuple(map(int, s.split(","))) for s in a.shapes.split(";")]
@@ -75,6 +84,9 @@ def main():
                  for pp in a.prep_precision.split(",")
                  for im in a.intermediates.split(",") for dg in a.diag.split(",")]
         t_fla = time_torch(theirs, [tuple(to_torch(x) for x in x3) for x3 in xs], repeats=a.repeats)
+        tx = tuple(to_torch(x) for x in xs[0])
+        t_fla_b2b = time_back_to_back_calls(lambda: theirs(*tx), lambda _: torch.cuda.synchronize())
+        t_fla_dev = sum(fla_kernel_seconds(xs[0]).values())
         o_f, S_f = theirs(*(to_torch(x) for x in xs[0]))
         o_f, S_f = jnp.from_dlpack(o_f.float()), jnp.from_dlpack(S_f.float().contiguous())
         t_prep = {}
@@ -98,20 +110,28 @@ def main():
                 row["status"] = "MISMATCH: speed not reported"
             else:
                 t = time_jax(ours, xs, repeats=a.repeats)
+                t_b2b = time_back_to_back_calls(lambda: ours(*xs[0]), jax.block_until_ready)
+                t_dev = device_seconds(lambda: ours(*xs[0]), 10)
                 hw = kda_prefill_hw(t, B * T * H)
                 row.update(ms_ours=t * 1e3, ms_stage1=t_prep[key][0] * 1e3,
                            ms_stage1_kernel_a=t_prep[key][1] * 1e3, ours_over_fla=t / t_fla,
+                           ms_ours_b2b=t_b2b * 1e3, ms_fla_b2b=t_fla_b2b * 1e3, ours_over_fla_b2b=t_b2b / t_fla_b2b,
+                           ms_ours_device=t_dev * 1e3, ms_fla_device=t_fla_dev * 1e3,
+                           ours_over_fla_device=t_dev / t_fla_dev,
                            fraction_of_limit=hw["fraction_of_limit"], fla_fraction_of_limit=hw["limit_s"] / t_fla,
                            bound=hw["bound"], status="ok")
             rows.append(row)
             print(row, flush=True)
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "sanity": sanity}
     write_json({"meta": meta, "rows": rows}, "kda_prefill.json")
-    print(f"\n{'B':>2} {'T':>7} {'H':>3} {'P':>3} {'bv:w:s:pw:prep:im:diag':>26} {'ours ms':>9} {'stage1':>8} {'fla ms':>8} {'ours/fla':>9} {'err':>8}")
+    print(f"\n{'B':>2} {'T':>7} {'H':>3} {'P':>3} {'bv:w:s:pw:prep:im:diag':>26} {'ours ms':>9} {'stage1':>8} {'fla ms':>8} {'ours/fla':>9} "
+          f"{'err':>8} | b2b: {'ours':>6} {'fla':>6} {'ratio':>6} | device: {'ours':>6} {'fla':>6} {'ratio':>6}")
     for r in rows:
         if r["status"] == "ok":
             print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {cfg_str(r):>26} {r['ms_ours']:9.2f} {r['ms_stage1']:8.2f} "
-                  f"{r['ms_fla']:8.2f} {r['ours_over_fla']:9.2f} {r['err_out_vs_fla']:8.1e}")
+                  f"{r['ms_fla']:8.2f} {r['ours_over_fla']:9.2f} {r['err_out_vs_fla']:8.1e} | {'':>4} {r['ms_ours_b2b']:6.2f} "
+                  f"{r['ms_fla_b2b']:6.2f} {r['ours_over_fla_b2b']:6.2f} | {'':>7} {r['ms_ours_device']:6.2f} "
+                  f"{r['ms_fla_device']:6.2f} {r['ours_over_fla_device']:6.2f}")
         else:
             print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {r['status']} err {r['err_out_vs_fla']:.1e}")
 

@@ -3,7 +3,7 @@
 one number, this says which stage the time goes to on each side.
 
 Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (fla-core 0.6.0
-importable). Ours from a ``jax.profiler`` trace, fla's from ``torch.profiler``; microseconds
+importable). Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
 per call. Writes ``$OUT/kernel_profile.json``.
 """
 
@@ -22,22 +22,19 @@ STEPS = 10
 
 
 def fla_kernel_seconds(xs):
+    """fla's kernels from the same ``jax.profiler`` trace as ours (it records every kernel of the
+    process; a ``torch.profiler`` session first leaves later JAX traces without GPU events)."""
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     tx = [to_torch(x) for x in xs]
-    call = lambda: fla_chunk_kda(*tx, output_final_state=True)
-    call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            call()
+
+    def call():
+        out = fla_chunk_kda(*tx, output_final_state=True)
         torch.cuda.synchronize()
+        return out
 
-    def self_us(e):  # torch >= 2.4 names it device time, older versions cuda time
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-
-    return {e.key: self_us(e) * 1e-6 / STEPS for e in prof.key_averages() if self_us(e) > 0}
+    return kernel_seconds(call, STEPS)
 
 
 def main():

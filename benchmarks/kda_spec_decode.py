@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import HBM_BYTES_PER_S, device_seconds, rel_rms, time_torch, to_torch, write_json
+from benchmarks.common import (HBM_BYTES_PER_S, device_seconds, rel_rms, time_back_to_back_calls, time_torch, to_torch,
+                               write_json)
 from k3jax.ops import kda as ref
 from k3jax.ops.kda import kda_gate, l2norm
 from pallas_kernels import kda
@@ -99,24 +100,6 @@ def device_per_step(step, pool, args):
         return box[0]
 
     return device_seconds(call), box[0]
-
-
-def torch_back_to_back(f, *, steps=20, rounds=5):
-    """:func:`time_back_to_back` for a torch callable, timed with CUDA events around each round."""
-    import torch
-
-    f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(steps):
-            f()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / steps)
-    return statistics.median(ts)
 
 
 def check(B, T, H):
@@ -286,7 +269,8 @@ def decode_vs_fla(heads, batches, repeats):
                                                     ssm_state_indices=tslots, output_final_state=True)
                 row["fla_us"] = time_torch(f, [()], repeats=repeats) * 1e6
                 row["fla_over_ours"] = row["fla_us"] / row["ours_us"]
-                row["fla_b2b_us"] = torch_back_to_back(f) * 1e6
+                # The same host clock as ours (CUDA events, used until 2026-12-01, left fla's host gaps out).
+                row["fla_b2b_us"] = time_back_to_back_calls(f, lambda _: torch.cuda.synchronize(), steps=20) * 1e6
                 row["fla_over_ours_b2b"] = row["fla_b2b_us"] / row["ours_b2b_us"]
             print(row, flush=True)
             rows.append(row)

@@ -74,31 +74,30 @@ def time_threaded(step, pool, args_list, *, warmup=3, repeats=20):
     return statistics.median(ts), pool
 
 
-def time_back_to_back(step, pool, args, *, steps=20, rounds=5):
-    """Device time per step: ``steps`` dependent calls (each takes the last pool) dispatched
-    without waiting, one sync per round; median over rounds of round time / steps. Host dispatch
-    overlaps the GPU, so this excludes the per-call sync latency that :func:`time_threaded` keeps."""
-    pool = step(pool, *args)[-1]  # warm-up
-    ts = []
-    for _ in range(rounds):
-        jax.block_until_ready(pool)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            pool = step(pool, *args)[-1]
-        jax.block_until_ready(pool)
-        ts.append((time.perf_counter() - t0) / steps)
-    return statistics.median(ts), pool
-
-
-def device_per_step(step, pool, args):
-    """:func:`time_back_to_back`'s dependent steps timed as kernel time alone
-    (:func:`benchmarks.common.device_seconds`). Returns ``(seconds, pool)``."""
+def _threaded(step, pool, args):
+    """A no-argument call that runs ``step`` on the last pool it returned, and a box holding that pool."""
     box = [pool]
 
     def call():
         box[0] = step(box[0], *args)[-1]
         return box[0]
 
+    return call, box
+
+
+def time_back_to_back(step, pool, args, *, steps=20, rounds=5):
+    """Device time per step: ``steps`` dependent calls (each takes the last pool) dispatched
+    without waiting, one sync per round (:func:`benchmarks.common.time_back_to_back_calls`). Host
+    dispatch overlaps the GPU, so this excludes the per-call sync latency that
+    :func:`time_threaded` keeps. Returns ``(seconds, pool)``."""
+    call, box = _threaded(step, pool, args)
+    return time_back_to_back_calls(call, jax.block_until_ready, steps=steps, rounds=rounds), box[0]
+
+
+def device_per_step(step, pool, args):
+    """:func:`time_back_to_back`'s dependent steps timed as kernel time alone
+    (:func:`benchmarks.common.device_seconds`). Returns ``(seconds, pool)``."""
+    call, box = _threaded(step, pool, args)
     return device_seconds(call), box[0]
 
 

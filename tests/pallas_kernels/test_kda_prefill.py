@@ -138,28 +138,30 @@ def test_repeated_keys_stay_exact(run):
     assert_close(s, s_r, "f32_state")
 
 
-def test_block_doubling_inverse_is_exact_elimination():
-    """The GPU body's ``(I + N)^-1`` by block doubling (1 -> 64) against the float64 inverse: for
-    the all-ones strictly lower N (one repeated key, beta = 1; a Neumann series cancels
-    catastrophically there, the true inverse is bidiagonal) and for N from random unit keys."""
-    n = 64
-    rng = np.random.default_rng(0)
+def _strictly_lower_cases(seed, n=64):
+    """The all-ones strictly lower N (one repeated key, beta = 1; a Neumann series cancels
+    catastrophically there, the true inverse is bidiagonal) and N from random unit keys."""
+    rng = np.random.default_rng(seed)
     k = rng.standard_normal((n, 32))
     k /= np.linalg.norm(k, axis=1, keepdims=True)
-    for N in (np.tril(np.ones((n, n)), -1), np.tril(rng.uniform(0, 1, (n, 1)) * (k @ k.T), -1)):
+    return np.tril(np.ones((n, n)), -1), np.tril(rng.uniform(0, 1, (n, 1)) * (k @ k.T), -1)
+
+
+def test_block_doubling_inverse_is_exact_elimination():
+    """The GPU body's ``(I + N)^-1`` by block doubling (1 -> 64) against the float64 inverse, on
+    :func:`_strictly_lower_cases`."""
+    n = 64
+    for N in _strictly_lower_cases(0, n):
         X = _merge_inverse(jnp.eye(n, dtype=jnp.float32), jnp.asarray(N, jnp.float32), 1, jax.lax.Precision.HIGHEST)
         assert_close(X, np.linalg.inv(np.eye(n) + N), "f32_out")
 
 
 def test_block_forward_substitution_inverse_kernel():
     """The GPU inverse kernel (16 x 16 blocks: the diagonal blocks' inverses given, the rest by
-    forward substitution) against the float64 inverse, on the same two N as the doubling test;
-    the blocks above the diagonal come out exactly zero."""
+    forward substitution) against the float64 inverse, on :func:`_strictly_lower_cases`; the
+    blocks above the diagonal come out exactly zero."""
     n = 64
-    rng = np.random.default_rng(1)
-    k = rng.standard_normal((n, 32))
-    k /= np.linalg.norm(k, axis=1, keepdims=True)
-    for N in (np.tril(np.ones((n, n)), -1), np.tril(rng.uniform(0, 1, (n, 1)) * (k @ k.T), -1)):
+    for N in _strictly_lower_cases(1, n):
         want = np.linalg.inv(np.eye(n) + N)
         Xd = np.concatenate([want[i:i + 16, i:i + 16] for i in range(0, n, 16)])
         X = pl.pallas_call(partial(_inverse_body, precision=jax.lax.Precision.HIGHEST),

@@ -13,7 +13,7 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
   The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as three
-  kernels: per 16-row sub-chunk (:func:`_rows_body`: anchored matmuls against the whole chunk,
+  kernels: per 16-row sub-chunk (:func:`_rows_body`, one warp: anchored 16 x 16 block products,
   diagonal block included while the gate span allows, exact pairwise differences beyond it;
   the diagonal block's inverse by block doubling), per chunk the inverse by forward
   substitution over 16 x 16 blocks (:func:`_inverse_body`, one warp), then per chunk W, U.
@@ -201,14 +201,16 @@ _SPAN_SAFE = 60.0
 
 
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
-               bounded=False, k_piece=32, k_block=64):
+               bounded=False, k_piece=16, k_block=64):
     """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
 
-    Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). One ``[16, K] x [K, C]``
-    matmul each for ``q k^T`` and ``k k^T`` (accumulated over ``k_block`` slices of K, which
-    bounds the registers: 1.15x faster than whole-K tiles on the H200), both factors anchored at
-    the sub-chunk's first row:
-    left of the sub-chunk the exponents are <= 0; on its diagonal block the column factor
+    Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Per causal ``16 x 16`` block
+    ``(i, j)``, one ``[16, K] x [K, 16]`` product each for ``q k^T`` and ``k k^T`` (accumulated over
+    ``k_block`` slices of K), both factors anchored at the sub-chunk's first row; blocks right of the
+    diagonal are written as zeros without a product. Run it on one warp: Triton repeats a
+    ``[16, 16]`` product on every warp (one warp took 1802 us at B1 T32k H32 on the H200, two 2465;
+    whole ``[16, C]`` row products on four warps 2152).
+    Left of the diagonal block the exponents are <= 0; on the diagonal block the column factor
     ``exp(anchor - G_c)`` grows with the gate span of the rows before. A row whose own span
     (``max_K (anchor - G_r)``, which bounds every factor it uses) exceeds :data:`_SPAN_SAFE`
     takes its diagonal block from exact pairwise differences (:func:`_diagonal_exact`, computed
@@ -221,48 +223,62 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     """
     C, K = k_ref.shape
     kb = min(k_block, K)
-    start = pl.multiple_of(pl.program_id(2) * SUB, SUB)
+    i = pl.program_id(2)
+    start = pl.multiple_of(i * SUB, SUB)
     rows = pl.ds(start, SUB)
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
-    rr, cc = _iota((SUB, C), 0) + start, _iota((SUB, C), 1)
-    upto = jnp.where(_iota((C, 1), 0) < start + SUB, 0.0, -jnp.inf)  # columns past the sub-chunk: 0
+    zero = jnp.zeros((SUB, SUB), _F32)
 
-    def k_slice(p, A):
-        cols = pl.ds(pl.multiple_of(p * kb, kb), kb)
-        anchor = G_ref[pl.ds(start, 1), cols]
-        down = G_ref[rows, cols] - anchor
-        to_anchor = _exp(down)
-        up = anchor - G_ref[:, cols]
-        if not bounded:
-            up = jnp.minimum(up, _SPAN_SAFE)  # capped rows are recomputed below
-        k_anc = k_ref[:, cols].astype(_F32) * _exp(up + upto)
-        return (A[0] + _dot_nt(q_ref[rows, cols].astype(_F32) * to_anchor, k_anc, precision),
-                A[1] + _dot_nt(k_ref[rows, cols].astype(_F32) * to_anchor, k_anc, precision),
-                *(jnp.minimum(m, down) for m in A[2:]))  # unless bounded: the deepest descent below the anchor
+    def products(cols, diag):
+        """``q k^T`` and ``k k^T`` of rows ``rows`` against ``cols``; on the diagonal block, unless
+        bounded, also the deepest gate descent below the anchor (elementwise over the K slices)."""
+        capped = diag and not bounded
 
-    zero = jnp.zeros((SUB, C), _F32)
-    lowest = () if bounded else (jnp.zeros((SUB, kb), _F32),)
-    Aq, Ak, *down = jax.lax.fori_loop(0, K // kb, k_slice, (zero, zero, *lowest))
-    Gi = G_ref[rows, :]
+        def k_slice(p, A):
+            ks = pl.ds(pl.multiple_of(p * kb, kb), kb)
+            anchor = G_ref[pl.ds(start, 1), ks]
+            down = G_ref[rows, ks] - anchor
+            to_anchor = _exp(down)
+            up = anchor - G_ref[cols, ks]
+            k_anc = k_ref[cols, ks].astype(_F32) * _exp(jnp.minimum(up, _SPAN_SAFE) if capped else up)
+            return (A[0] + _dot_nt(q_ref[rows, ks].astype(_F32) * to_anchor, k_anc, precision),
+                    A[1] + _dot_nt(k_ref[rows, ks].astype(_F32) * to_anchor, k_anc, precision),
+                    *(jnp.minimum(m, down) for m in A[2:]))
+
+        lowest = (jnp.zeros((SUB, kb), _F32),) if capped else ()
+        return jax.lax.fori_loop(0, K // kb, k_slice, (zero, zero, *lowest))
+
+    bi = beta_ref[rows, :].astype(_F32)
+
+    def earlier(j, carry):
+        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+        Aq, Ak = products(cols, False)
+        aqk_ref[:, cols] = (scale * Aq).astype(aqk_ref.dtype)
+        n_ref[:, cols] = bi * Ak
+        return carry
+
+    def later(j, carry):
+        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+        aqk_ref[:, cols] = zero.astype(aqk_ref.dtype)
+        n_ref[:, cols] = zero
+        return carry
+
+    jax.lax.fori_loop(0, i, earlier, 0)
+    jax.lax.fori_loop(i + 1, C // SUB, later, 0)
+    Aq, Ak, *down = products(rows, True)
     if not bounded:
         def exact(A):
-            redo = jnp.max(G_ref[pl.ds(start, 1), :] - Gi, axis=1, keepdims=True) > _SPAN_SAFE  # [16, 1]
-            spread = jnp.where(cc == _iota((SUB, C), 0) + start, 1.0, 0.0).astype(_F32)  # [16, C]
-            d = redo & (cc >= start)
-            return tuple(jnp.where(d, _dot(X, spread), Y)
-                         for X, Y in zip(_diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece), A))
+            redo = jnp.max(G_ref[pl.ds(start, 1), :] - G_ref[rows, :], axis=1, keepdims=True) > _SPAN_SAFE
+            return tuple(jnp.where(redo, X, Y) for X, Y in zip(_diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece), A))
 
         # Whether any row needs it: one scalar from an elementwise minimum over the K slices (a
         # per-row reduction up front cost 9% of the kernel); the per-row test runs in the branch.
         deepest = jnp.min(jnp.min(down[0], axis=1), axis=0)
         Aq, Ak = jax.lax.cond(deepest < -_SPAN_SAFE, exact, lambda A: A, (Aq, Ak))
-    bi = beta_ref[rows, :].astype(_F32)
-    aqk_ref[...] = (scale * jnp.where(cc <= rr, Aq, 0.0)).astype(aqk_ref.dtype)
-    Ak = jnp.where(cc < rr, Ak, 0.0)
-    n_ref[...] = jnp.where(cc < start, bi * Ak, 0.0)
-    place = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + start, 1.0, 0.0).astype(_F32)  # [C, 16]
-    qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(Gi)).astype(qg_ref.dtype)
-    D = bi * _dot(Ak, place)  # the diagonal block, strictly lower
+    aqk_ref[:, rows] = (scale * jnp.where(c16 <= r16, Aq, 0.0)).astype(aqk_ref.dtype)
+    n_ref[:, rows] = zero
+    qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(G_ref[rows, :])).astype(qg_ref.dtype)
+    D = bi * jnp.where(c16 < r16, Ak, 0.0)  # the diagonal block, strictly lower
     # Doubling from 2 x 2 blocks: their inverses are I - D's entries inside them (what the first
     # level's products give, bit for bit).
     xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0) - jnp.where(_block_mask(SUB, 1), D, 0.0), D, 2, _HI)
@@ -336,7 +352,7 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
-                  compiler_params=None, inverse_compiler_params=None, interpret=False):
+                  compiler_params=None, small_compiler_params=None, interpret=False):
     """GPU stage 1 as three kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
@@ -347,9 +363,9 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     products (kernel A's 16 x 16 inverses are IEEE float32), ``precision`` for the products
     (Aqk, Akk, W, U). ``store_dtype`` is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T,
     W, U; bfloat16 halves their traffic); the inverse's pieces and decay stay float32.
-    ``bounded``: see :func:`_rows_body`. ``inverse_compiler_params`` are kernel B's (one warp:
-    its ``[16, 16]`` products replicate across warps; 1 warp took 168 us at B1 T32k H32 on the
-    H200, 2 warps 240, 4 warps 408), ``compiler_params`` the other kernels'.
+    ``bounded``: see :func:`_rows_body`. ``small_compiler_params`` are kernels A's and B's (one
+    warp: their ``[16, 16]`` products replicate across warps; kernel B on 1 warp took 168 us at
+    B1 T32k H32 on the H200, 2 warps 240, 4 warps 408), ``compiler_params`` the other kernels'.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -364,7 +380,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
         out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
-        compiler_params=compiler_params,
+        compiler_params=small_compiler_params,
         interpret=interpret,
     )(q, k, g, G, beta)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
@@ -374,7 +390,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         in_specs=[rows(C), rows(SUB)],
         out_specs=rows(C),
         out_shape=f32(HV, TT, C),
-        compiler_params=inverse_compiler_params,
+        compiler_params=small_compiler_params,
         interpret=interpret,
     )(N, Xd)
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))

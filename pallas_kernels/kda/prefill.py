@@ -79,7 +79,7 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
                          bounded=bounded,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=None if interpret else prefill_gpu.params(num_warps, 1),
-                         inverse_compiler_params=None if interpret else prefill_gpu.params(1, 1))
+                         small_compiler_params=None if interpret else prefill_gpu.params(1, 1))
 
 
 def default_intermediates(dtype):
@@ -135,7 +135,8 @@ def chunk_kda(
         Aqk once per column block. None: 128 with bf16 operands (6.23 against 6.52 ms for 64 at B1
         T32k H32), 64 with TF32 operands (twice the registers; 64 beat 32 and 128 at three of four
         shapes).
-      prep_num_warps: GPU warps per token-parallel program.
+      prep_num_warps: GPU warps per program of the gate cumsum and the W/U kernel (kernels A and B
+        of stage 1 run on one warp: their 16 x 16 products repeat on every warp).
       scan_precision: GPU matmul precision of the recurrent and output stages; None: bf16 operands
         with float32 accumulation for bf16/f16 inputs with bf16 intermediates (the default; the
         state stays float32), single-pass TF32 for them with float32 intermediates, TF32x3 for

@@ -352,7 +352,7 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
-                  compiler_params=None, small_compiler_params=None, interpret=False):
+                  compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None, interpret=False):
     """GPU stage 1 as three kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
@@ -363,9 +363,11 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     products (kernel A's 16 x 16 inverses are IEEE float32), ``precision`` for the products
     (Aqk, Akk, W, U). ``store_dtype`` is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T,
     W, U; bfloat16 halves their traffic); the inverse's pieces and decay stay float32.
-    ``bounded``: see :func:`_rows_body`. ``small_compiler_params`` are kernels A's and B's (one
-    warp: their ``[16, 16]`` products replicate across warps; kernel B on 1 warp took 168 us at
-    B1 T32k H32 on the H200, 2 warps 240, 4 warps 408), ``compiler_params`` the other kernels'.
+    ``bounded``: see :func:`_rows_body`. ``rows_compiler_params`` and ``inverse_compiler_params``
+    are kernels A's and B's (one warp each: their ``[16, 16]`` products replicate across warps;
+    kernel B on 1 warp took 168 us at B1 T32k H32 on the H200, 2 warps 240, 4 warps 408; kernel
+    A's K loop pipelined in 2 stages 1589 us, 1 stage 1782, 3 stages 1989),
+    ``compiler_params`` the other kernels'.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -380,7 +382,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
         out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
         out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
-        compiler_params=small_compiler_params,
+        compiler_params=rows_compiler_params,
         interpret=interpret,
     )(q, k, g, G, beta)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
@@ -390,7 +392,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         in_specs=[rows(C), rows(SUB)],
         out_specs=rows(C),
         out_shape=f32(HV, TT, C),
-        compiler_params=small_compiler_params,
+        compiler_params=inverse_compiler_params,
         interpret=interpret,
     )(N, Xd)
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))

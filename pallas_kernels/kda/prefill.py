@@ -79,7 +79,8 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
                          bounded=bounded,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=None if interpret else prefill_gpu.params(num_warps, 1),
-                         small_compiler_params=None if interpret else prefill_gpu.params(1, 1))
+                         rows_compiler_params=None if interpret else prefill_gpu.params(1, 2),
+                         inverse_compiler_params=None if interpret else prefill_gpu.params(1, 1))
 
 
 def default_intermediates(dtype):

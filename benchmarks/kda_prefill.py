@@ -83,8 +83,9 @@ def main():
         sweep = [(planned if p == "plan" else int(p), cfg, pp, im, dg) for p in a.segments.split(",") for cfg in configs
                  for pp in a.prep_precision.split(",")
                  for im in a.intermediates.split(",") for dg in a.diag.split(",")]
-        t_fla = time_torch(theirs, [tuple(to_torch(x) for x in x3) for x3 in xs], repeats=a.repeats)
-        tx = tuple(to_torch(x) for x in xs[0])
+        txs = [tuple(to_torch(x) for x in x3) for x3 in xs]
+        tx = txs[0]
+        t_fla = time_torch(theirs, txs, repeats=a.repeats)
         t_fla_b2b = time_back_to_back_calls(lambda: theirs(*tx), lambda _: torch.cuda.synchronize())
         t_fla_dev = sum(fla_kernel_seconds(xs[0]).values())
         o_f, S_f = theirs(*tx)

@@ -224,8 +224,9 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     C, K = k_ref.shape
     kb = min(k_block, K)
     i = pl.program_id(2)
-    start = pl.multiple_of(i * SUB, SUB)
-    rows = pl.ds(start, SUB)
+    block = lambda j: pl.ds(pl.multiple_of(j * SUB, SUB), SUB)  # the j-th 16-row / 16-column block
+    rows = block(i)
+    start = rows.start
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
     zero = jnp.zeros((SUB, SUB), _F32)
 
@@ -251,14 +252,14 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     bi = beta_ref[rows, :].astype(_F32)
 
     def earlier(j, carry):
-        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+        cols = block(j)
         Aq, Ak = products(cols, False)
         aqk_ref[:, cols] = (scale * Aq).astype(aqk_ref.dtype)
         n_ref[:, cols] = bi * Ak
         return carry
 
     def later(j, carry):
-        cols = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+        cols = block(j)
         aqk_ref[:, cols] = zero.astype(aqk_ref.dtype)
         n_ref[:, cols] = zero
         return carry

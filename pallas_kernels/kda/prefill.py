@@ -75,12 +75,12 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
     ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting."""
     hi = jax.lax.Precision.HIGHEST
+    params = lambda warps, stages: None if interpret else prefill_gpu.params(warps, stages)
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
                          bounded=bounded,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
-                         compiler_params=None if interpret else prefill_gpu.params(num_warps, 1),
-                         rows_compiler_params=None if interpret else prefill_gpu.params(1, 2),
-                         inverse_compiler_params=None if interpret else prefill_gpu.params(1, 1))
+                         compiler_params=params(num_warps, 1), rows_compiler_params=params(1, 2),
+                         inverse_compiler_params=params(1, 1))
 
 
 def default_intermediates(dtype):

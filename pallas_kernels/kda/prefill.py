@@ -43,12 +43,16 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     """
     if backend not in ("gpu", "cuda", "rocm"):
         return 1
-    if num_cores is None:
-        num_cores = getattr(jax.devices()[0], "core_count", 132)
+    num_cores = num_cores or gpu_core_count()
     programs = num_seqs * num_heads * max(V // block_v, 1)
     P = -(-num_cores // programs) if summary_paid else num_cores // programs
     P = min(P, max_chunks // min_chunks)
     return P if P >= (2 if summary_paid else 3) else 1
+
+
+def gpu_core_count() -> int:
+    """Streaming multiprocessors of the default device (132 on the H200 when it does not say)."""
+    return getattr(jax.devices()[0], "core_count", 132)
 
 
 def gpu_head_dims_ok(*dims) -> bool:
@@ -111,7 +115,7 @@ def chunk_kda(
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
-    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, out_block_v: int | None = None,
+    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -123,19 +127,15 @@ def chunk_kda(
       interpret: None: interpret on CPU (``pltpu.InterpretParams()`` for the TPU kernels),
         compile elsewhere; or an explicit value passed to ``pallas_call``.
       block_v, num_warps, num_stages: GPU recurrent-stage tiling and software pipelining. block_v
-        None: 32 when each sequence runs as one segment (twice the programs of 64 for the serial
-        scan: at B1 T32k H32 on the H200 6.23 against 6.69 ms), 64 when split into segments (the
-        segments supply the programs, and wider blocks halve the re-reads of W and kd^T: at H4
-        T131k, 16 segments of 64 columns took 3.51 ms against 4.24 for 8 of 32). 3 stages (the
-        next chunks' loads overlap this chunk's matmuls): the recurrence at B1 T32k H32 took
+        None: 64 when segments or ``sequences x heads x V / 64`` programs fill the SMs (wider
+        blocks halve the re-reads of W, kd^T and qg), else 32 (twice the programs for the serial
+        scan). On the H200 (kernel time, 2026-12-01): B1 T32k H32 (64 programs at 64) 3.83 ms at
+        32 against 4.00 at 64; B8 T4k H32 4.08 at 32 against 3.55 at 64; B1 T8k H96 3.03 against
+        2.77. 3 stages (the next chunks' loads overlap this chunk's matmuls): the recurrence at B1 T32k H32 took
         0.94 ms against 1.15 with 2 and 0.94 with 4 (but 4 was 1.4-1.6x slower than 3 at H12 T131k).
       summary_block_v: GPU column block of the segment summary pass, which runs over ``K + V``
         columns (twice the recurrence's programs). 64 against 32: KCP at T = 131072, H = 32 on two
         H200s went 1.64x -> 1.76x (2 segments per rank: 512 -> 256 programs); 128 gave 1.65x.
-      out_block_v: GPU column block of the output kernel (``qg S + Aqk V_new``), which reads qg and
-        Aqk once per column block. None: 128 with bf16 operands (6.23 against 6.52 ms for 64 at B1
-        T32k H32), 64 with TF32 operands (twice the registers; 64 beat 32 and 128 at three of four
-        shapes).
       prep_num_warps: GPU warps per program of the gate cumsum and the W/U kernel (kernels A and B
         of stage 1 run on one warp: their 16 x 16 products repeat on every warp).
       scan_precision: GPU matmul precision of the recurrent and output stages; None: bf16 operands
@@ -210,13 +210,11 @@ def chunk_kda(
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu",
                                           summary_paid=initial_state_fn is not None)
         if block_v is None:
-            block_v = 64 if P > 1 else 32
+            block_v = 64 if P > 1 or N * HV * max(V // 64, 1) >= gpu_core_count() else 32
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
         scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
-        if out_block_v is None:
-            out_block_v = 128 if scan_precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32 else 64
         kw = dict(n_ck_slots=n_slots, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                   precision=scan_precision, interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
@@ -241,9 +239,7 @@ def chunk_kda(
                 M_all, E_all = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
                 init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)
             starts = segment_initial_states((M, E), init).reshape(N * P, HV, K, V)
-        hs, v_new, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, **kw)
-        o = prefill_gpu.out_call(prep, hs, v_new, out_dtype=out_dtype, block_v=out_block_v, num_warps=num_warps,
-                                 precision=scan_precision, interpret=interpret)
+        o, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, **kw)
         final = final.reshape(N, P, HV, K, V)[:, -1]
     else:
         head = lambda x: jnp.moveaxis(x, 1, 0)

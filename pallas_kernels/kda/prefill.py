@@ -63,7 +63,7 @@ def gpu_head_dims_ok(*dims) -> bool:
 def default_precision(precision, dtype, *, scan=False):
     """A GPU matmul precision: ``precision`` if given, else TF32x3 (float32-accurate) for float32
     ``dtype``; for 16-bit ``dtype`` (outputs round to 8 bits anyway) single-pass TF32, or for the
-    recurrence and output kernels (``scan``) bf16 operands with float32 accumulation, fla's
+    recurrent kernel (``scan``) bf16 operands with float32 accumulation, fla's
     choice: the state stays float32 and only the matmul operands round. On the H200 that took
     B1 T32k H32 from 7.81 to 6.23 ms with the same errors against the float32 reference (outputs
     3.0e-3, states 1.9e-3 relative RMS)."""
@@ -138,7 +138,7 @@ def chunk_kda(
         H200s went 1.64x -> 1.76x (2 segments per rank: 512 -> 256 programs); 128 gave 1.65x.
       prep_num_warps: GPU warps per program of the gate cumsum and the W/U kernel (kernels A and B
         of stage 1 run on one warp: their 16 x 16 products repeat on every warp).
-      scan_precision: GPU matmul precision of the recurrent and output stages; None: bf16 operands
+      scan_precision: GPU matmul precision of the recurrent stage (state and outputs); None: bf16 operands
         with float32 accumulation for bf16/f16 inputs with bf16 intermediates (the default; the
         state stays float32), single-pass TF32 for them with float32 intermediates, TF32x3 for
         float32 inputs (:func:`default_precision`).

@@ -130,10 +130,11 @@ def main():
     ap.add_argument("--skip-decode", action="store_true", help="skip the decode-step comparison with fla")
     ap.add_argument("--skip-spec", action="store_true", help="only the decode-step comparison with fla")
     ap.add_argument("--tune", action="store_true",
-                    help="sweep the GPU kernel's state layout / block_v / num_warps and exit")
+                    help="sweep the GPU kernel's pool layout / block_v / num_warps (device time) at --heads x "
+                         "--batches and exit")
     a = ap.parse_args()
     if a.tune:
-        return tune(a.repeats)
+        return tune(a.heads, a.batches)
     dev = jax.devices()[0].device_kind
     rows = []
     for H in [] if a.skip_spec else map(int, a.heads.split(",")):
@@ -214,24 +215,28 @@ def main():
               f"{r.get('fla_b2b_us', nan):>8.1f} {r.get('fla_over_ours_b2b', nan):>8.2f} {100 * r['ours_b2b_frac_bw']:>8.1f}")
 
 
-def tune(repeats, H=32, B=256, T=8):
-    """Commit and verify latency of the GPU kernel per (state layout, block_v, num_warps) at one shape."""
+def tune(heads, batches, T=8):
+    """Device time of the GPU verify and commit kernels per (pool layout, block_v, num_warps), T = 8,
+    half the window accepted. "vk" runs on the transposed pool (K = V here, so one random array
+    serves both layouts)."""
     from pallas_kernels.kda import decode_gpu
     from pallas_kernels.kda._window import COMMIT, VERIFY
 
-    q, k, v, g, beta = window_inputs(1, B, T, H)
-    slots = jnp.asarray(np.random.default_rng(0).permutation(2 * B)[:B].astype(np.int32))
-    n = jnp.full((B,), T // 2, jnp.int32)
-    pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
-    configs = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (64, 16), (128, 8), (128, 16)]
-    for layout, (bv, nw) in itertools.product(("kv", "vk"), configs):
-        opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw, state_layout=layout)
-        commit = jax.jit(lambda p, s, n, k, v, g, b: (decode_gpu.window_call(p, s, n, None, k, v, g, b, mode=COMMIT, **opts)[2],),
-                         donate_argnums=(0,))
-        verify = jax.jit(lambda p, s, n, q, k, v, g, b: (decode_gpu.window_call(p, s, n, q, k, v, g, b, mode=VERIFY, **opts)[0], p))
-        t_commit, pool = time_threaded(commit, pool, [(slots, n, k, v, g, beta)], repeats=repeats)
-        t_verify, pool = time_threaded(verify, pool, [(slots, n, q, k, v, g, beta)], repeats=repeats)
-        print(f"layout={layout} block_v={bv:>3} num_warps={nw:>2}  commit {t_commit * 1e6:7.0f} us  verify {t_verify * 1e6:7.0f} us", flush=True)
+    configs = [(32, 4), (64, 4), (64, 8), (64, 16), (128, 8), (128, 16)]
+    for H, B in itertools.product(map(int, heads.split(",")), map(int, batches.split(","))):
+        q, k, v, g, beta = window_inputs(1, B, T, H)
+        slots = jnp.asarray(np.random.default_rng(0).permutation(2 * B)[:B].astype(np.int32))
+        n = jnp.full((B,), T // 2, jnp.int32)
+        pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
+        for layout, (bv, nw) in itertools.product(("kv", "vk"), configs):
+            opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw, state_layout=layout)
+            commit = jax.jit(lambda p, s, n, k, v, g, b: (decode_gpu.window_call(p, s, n, None, k, v, g, b, mode=COMMIT, **opts)[2],),
+                             donate_argnums=(0,))
+            verify = jax.jit(lambda p, s, n, q, k, v, g, b: decode_gpu.window_call(p, s, n, q, k, v, g, b, mode=VERIFY, **opts)[0])
+            t_commit, pool = device_per_step(commit, pool, (slots, n, k, v, g, beta))
+            t_verify = device_seconds(lambda: verify(pool, slots, n, q, k, v, g, beta))
+            print(f"H={H} B={B} layout={layout} block_v={bv:>3} num_warps={nw:>2}  commit {t_commit * 1e6:7.0f} us  "
+                  f"verify {t_verify * 1e6:7.0f} us  sum {(t_commit + t_verify) * 1e6:7.0f} us", flush=True)
 
 
 def decode_vs_fla(heads, batches, repeats):

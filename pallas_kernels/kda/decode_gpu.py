@@ -33,7 +33,8 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
     n = n_ref[b]
 
     v_at = (lambda v_ref, t: v_ref[b, t, h, cols, :]) if vk else (lambda v_ref, t: v_ref[b, t, h, :, cols])
-    state = (lambda S: S.T) if vk else (lambda S: S)  # [K, BV] <-> the registers' layout
+    # The program's state tile of a pool or snapshot ref: [K, BV], or [BV, K] when stored transposed.
+    tile = (lambda *idx: (*idx, cols, slice(None))) if vk else (lambda *idx: (*idx, slice(None), cols))
 
     def step(S, refs, t):
         k_ref, v_ref, g_ref, beta_ref = refs
@@ -56,10 +57,10 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
 
     @pl.when(valid)
     def _():
-        S = state(pool_ref[slot, h, :, cols])
+        S = pool_ref[tile(slot, h)]
         if mode.replay_first:
             S = replay(S, prev_refs)
-            pool_out_ref[slot, h, :, cols] = state(S)
+            pool_out_ref[tile(slot, h)] = S
         if mode.replay_only:
             S = replay(S, window)
         else:
@@ -68,9 +69,9 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
                 if mode.readout:
                     o_ref[b, t, h, :, cols] = out(S, t).astype(o_ref.dtype)
                 if mode.snapshot:
-                    snap_ref[b, t, h, :, cols] = state(S)
+                    snap_ref[tile(b, t, h)] = S
         if mode.writes_at_end:
-            pool_out_ref[slot, h, :, cols] = state(S)
+            pool_out_ref[tile(slot, h)] = S
 
     @pl.when(jnp.logical_not(valid))
     def _():
@@ -78,7 +79,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
             if mode.readout:
                 o_ref[b, t, h, :, cols] = jnp.zeros((1, BV), o_ref.dtype)
             if mode.snapshot:
-                snap_ref[b, t, h, :, cols] = jnp.zeros((snap_ref.shape[-2], BV), _F32)
+                snap_ref[tile(b, t, h)] = jnp.zeros((BV, snap_ref.shape[-1]) if vk else (snap_ref.shape[-2], BV), _F32)
 
 
 def window_call(
@@ -87,14 +88,20 @@ def window_call(
 ):
     """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per program.
 
-    ``state_layout``: "kv" keeps ``f32[K, BV]`` in registers (the per-token reductions over K run
-    across the slow axis); "vk" keeps its transpose, so they run along the fast axis (a
-    candidate for fewer cross-warp reductions; see docs/benchmarks.md before changing the default).
+    ``state_layout``: how the pool (and the snapshots) are stored. "kv": ``f32[num_slots, HV, K, V]``,
+    the package's layout; a program's ``[K, BV]`` tile is laid out with lanes along V, so the
+    per-token reductions over K cross warps (shared memory and barriers). "vk": transposed,
+    ``f32[num_slots, HV, V, K]`` (snapshots ``[B, T, HV, V, K]``); the ``[BV, K]`` tile has lanes
+    along K, so at K = 128 a reduction stays inside a warp (PTX of the verify at block_v 64, 8
+    warps: 31 barriers and 64 registers against 79 and 99; see docs/benchmarks.md before
+    changing the default). Transposing the state in registers instead gives the "kv" code.
     """
     if state_layout not in ("kv", "vk"):
         raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
     vk = state_layout == "vk"
     num_slots, HV, K, V = pool.shape
+    if vk:
+        V, K = K, V
     BV = min(block_v, V)
     if V % BV:
         raise ValueError(f"V={V} must be a multiple of block_v={BV}")
@@ -110,7 +117,7 @@ def window_call(
     if mode.readout:
         out_shape.append(jax.ShapeDtypeStruct((B, T, HV, 1, V), out_dtype))
     if mode.snapshot:
-        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), _F32))
+        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, V, K) if vk else (B, T, HV, K, V), _F32))
     aliases = {}
     if mode.write_state:
         out_shape.append(jax.ShapeDtypeStruct(pool.shape, pool.dtype))

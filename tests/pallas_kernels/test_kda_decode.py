@@ -123,8 +123,8 @@ def test_snapshot_baseline_matches_replay(run):
 
 @pytest.mark.parametrize("mode", ["VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY"])
 def test_gpu_transposed_state_layout(mode):
-    """The GPU kernel with the state transposed in registers ("vk") against the references
-    (interpreted): outputs, snapshots, committed states, untouched slots."""
+    """The GPU kernel on a pool stored transposed ("vk": ``[num_slots, HV, V, K]``) against the
+    references (interpreted): outputs, snapshots, committed states, untouched slots."""
     from pallas_kernels.kda import _window, decode_gpu
 
     m = getattr(_window, mode)
@@ -134,9 +134,11 @@ def test_gpu_transposed_state_layout(mode):
     pool = _pool(40, 5, HV, K, V)
     slots = np.array([4, -1, 1], np.int32)
     n = np.array([2, 3, 4], np.int32)
-    o, snaps, new = decode_gpu.window_call(pool, jnp.asarray(slots), jnp.asarray(n), q, k, v, g, beta, mode=m,
+    swap = lambda x: jnp.swapaxes(x, -1, -2)
+    o, snaps, new = decode_gpu.window_call(swap(pool), jnp.asarray(slots), jnp.asarray(n), q, k, v, g, beta, mode=m,
                                            scale=K**-0.5, interpret=True, prev=prev if m.replay_first else None,
                                            block_v=16, state_layout="vk")
+    new = swap(new)
     live = slots >= 0
     S0 = _rows(pool, slots)
     if m.replay_first:
@@ -146,7 +148,8 @@ def test_gpu_transposed_state_layout(mode):
         assert not np.any(np.asarray(o[~live]))
     if m.snapshot:
         _, states = ref._window_states(S0, q, k, v, g, beta, None)
-        assert_close(snaps[live], states[live], "f32_state")
+        assert_close(swap(snaps)[live], states[live], "f32_state")
+        assert not np.any(np.asarray(snaps[~live]))
     if m.write_state:
         want = S0 if m.replay_first else ref.kda_commit(S0, k, v, g, beta, jnp.asarray(n))
         assert_close(new[slots[live]], want[live], "f32_state")

@@ -38,25 +38,28 @@ def window_inputs(seed, B, T, H):
     return q, k, v, g, beta
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def replay_step(pool, slots, n, q, k, v, g, beta):
-    o = kda.kda_verify(pool, slots, q, k, v, g, beta)
-    return o, kda.kda_commit(pool, slots, k, v, g, beta, n)
+_step = functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("state_layout",))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def fused_step(pool, slots, n, q, k, v, g, beta, prev_k, prev_v, prev_g, prev_beta):
+@_step
+def replay_step(pool, slots, n, q, k, v, g, beta, state_layout="kv"):
+    o = kda.kda_verify(pool, slots, q, k, v, g, beta, state_layout=state_layout)
+    return o, kda.kda_commit(pool, slots, k, v, g, beta, n, state_layout=state_layout)
+
+
+@_step
+def fused_step(pool, slots, n, q, k, v, g, beta, prev_k, prev_v, prev_g, prev_beta, state_layout="kv"):
     """Commit of the previous window fused into this window's verify."""
-    return kda.kda_commit_verify(pool, slots, (prev_k, prev_v, prev_g, prev_beta), n, q, k, v, g, beta)
+    return kda.kda_commit_verify(pool, slots, (prev_k, prev_v, prev_g, prev_beta), n, q, k, v, g, beta,
+                                 state_layout=state_layout)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def snapshot_step(pool, slots, n, q, k, v, g, beta):
-    o, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta)
+@_step
+def snapshot_step(pool, slots, n, q, k, v, g, beta, state_layout="kv"):
+    o, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta, state_layout=state_layout)
     return o, kda.kda_commit_snapshot(pool, slots, snaps, n)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def decode_step(pool, slots, q, k, v, g, beta):
     return kda.kda_decode(pool, slots, q, k, v, g, beta)
 
@@ -101,9 +104,12 @@ def device_per_step(step, pool, args):
     return device_seconds(call), box[0]
 
 
-def check(B, T, H):
+def check(B, T, H, state_layout="kv"):
     """Replay and snapshot against the reference on a small batch of the same head count."""
     b = min(B, 4)
+    lay = dict(state_layout=state_layout)
+    # K = V: a "vk" pool has the same shape; it is the transpose of the "kv" one.
+    swap = (lambda x: jnp.swapaxes(x, -1, -2)) if state_layout == "vk" else jnp.array  # a copy: steps donate
     q, k, v, g, beta = window_inputs(99, b, T, H)
     pool = jax.random.normal(jax.random.key(5), (b + 1, H, K, V), jnp.float32)
     slots = jnp.arange(b, dtype=jnp.int32)[::-1] + 1
@@ -111,10 +117,11 @@ def check(B, T, H):
     dense = pool[slots]
     o_ref = ref.kda_verify(dense, q, k, v, g, beta)
     s_ref = ref.kda_commit(dense, k, v, g, beta, n)
-    o1, p1 = replay_step(jnp.array(pool), slots, n, q, k, v, g, beta)
-    o2, p2 = snapshot_step(jnp.array(pool), slots, n, q, k, v, g, beta)
+    o1, p1 = replay_step(swap(pool), slots, n, q, k, v, g, beta, **lay)
+    o2, p2 = snapshot_step(swap(pool), slots, n, q, k, v, g, beta, **lay)
     # Fused: commit this window, then verify the same inputs again from the committed state.
-    o3, p3 = fused_step(jnp.array(pool), slots, n, q, k, v, g, beta, k, v, g, beta)
+    o3, p3 = fused_step(swap(pool), slots, n, q, k, v, g, beta, k, v, g, beta, **lay)
+    p1, p2, p3 = swap(p1), swap(p2), swap(p3)
     o3_ref = ref.kda_verify(s_ref, q, k, v, g, beta)
     errs = [rel_rms(o1, o_ref), rel_rms(p1[slots], s_ref), rel_rms(o2, o_ref), rel_rms(p2[slots], s_ref),
             rel_rms(o3, o3_ref), rel_rms(p3[slots], s_ref)]
@@ -129,6 +136,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--skip-decode", action="store_true", help="skip the decode-step comparison with fla")
     ap.add_argument("--skip-spec", action="store_true", help="only the decode-step comparison with fla")
+    ap.add_argument("--state-layout", default="kv", choices=("kv", "vk"),
+                    help="pool layout of every kernel, replay and snapshot alike (vk: [slots, HV, V, K], GPU only)")
     ap.add_argument("--tune", action="store_true",
                     help="sweep the GPU kernel's pool layout / block_v / num_warps (device time) at --heads x "
                          "--batches and exit")
@@ -139,9 +148,9 @@ def main():
     rows = []
     for H in [] if a.skip_spec else map(int, a.heads.split(",")):
         for T in map(int, a.windows.split(",")):
-            err = check(8, T, H)
+            err = check(8, T, H, a.state_layout)
             for B in map(int, a.batches.split(",")):
-                row = {"H": H, "T": T, "B": B, "max_err": err}
+                row = {"H": H, "T": T, "B": B, "state_layout": a.state_layout, "max_err": err}
                 rows.append(row)
                 if err > 5e-3:
                     row["status"] = "MISMATCH: speed not reported"
@@ -152,14 +161,16 @@ def main():
                 rng = np.random.default_rng(T)
                 args = [(slots, jnp.asarray(rng.integers(0, T + 1, B).astype(np.int32)), *x) for x in xs]
                 pool = jax.random.normal(jax.random.key(0), (num_slots, H, K, V), jnp.float32)
-                t_replay, pool = time_threaded(replay_step, pool, args, repeats=a.repeats)
-                t_snap, pool = time_threaded(snapshot_step, pool, args, repeats=a.repeats)
+                replay, snapshot, fused = (functools.partial(f, state_layout=a.state_layout)
+                                           for f in (replay_step, snapshot_step, fused_step))
+                t_replay, pool = time_threaded(replay, pool, args, repeats=a.repeats)
+                t_snap, pool = time_threaded(snapshot, pool, args, repeats=a.repeats)
                 fused_args = [(*args[i], *xs[1 - i][1:]) for i in range(2)]
-                t_fused, pool = time_threaded(fused_step, pool, fused_args, repeats=a.repeats)
+                t_fused, pool = time_threaded(fused, pool, fused_args, repeats=a.repeats)
                 # Device time per step without the per-call sync (dependent steps, one sync per round).
                 b2b = {}
-                for name, step, x in (("replay", replay_step, args[0]), ("snapshot", snapshot_step, args[0]),
-                                      ("fused", fused_step, fused_args[0])):
+                for name, step, x in (("replay", replay, args[0]), ("snapshot", snapshot, args[0]),
+                                      ("fused", fused, fused_args[0])):
                     t, pool = time_back_to_back(step, pool, x)
                     b2b[f"{name}_b2b_us"] = t * 1e6
                     t, pool = device_per_step(step, pool, x)

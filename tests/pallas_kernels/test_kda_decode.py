@@ -157,6 +157,62 @@ def test_gpu_transposed_state_layout(mode):
         np.testing.assert_array_equal(np.asarray(new[untouched]), np.asarray(pool[untouched]))
 
 
+@pytest.mark.parametrize("opts", GPU_RUNS)
+def test_public_api_on_a_transposed_pool(opts):
+    """The public entry points with ``state_layout="vk"`` (pool ``[num_slots, HV, V, K]``) against
+    the references: decode, verify, commit, fused commit+verify and the snapshot baseline."""
+    if opts["interpret"] is False and jax.default_backend() == "cpu":
+        pytest.skip("compiled kernels need an accelerator")
+    B, T, H, HV, K, V = 3, 4, 1, 2, 16, 32
+    q, k, v, g, beta = kda_inputs(50, B, T, H, HV, K, V)
+    prev = kda_inputs(51, B, T, H, HV, K, V)[1:]
+    pool = _pool(50, 5, HV, K, V)
+    swap = lambda x: jnp.swapaxes(x, -1, -2)
+    slots = np.array([4, -1, 1], np.int32)
+    n = np.array([2, 3, 4], np.int32)
+    live = slots >= 0
+    S0 = _rows(pool, slots)
+    vk = dict(opts, state_layout="vk")
+    untouched = lambda new: np.testing.assert_array_equal(np.asarray(new[np.array([0, 2, 3])]),
+                                                          np.asarray(pool[np.array([0, 2, 3])]))
+
+    o, new = kda.kda_decode(swap(pool), slots, *(x[:, 0] for x in (q, k, v, g, beta)), **vk)
+    o_ref, s_ref = ref.kda_decode_step(S0, *(x[:, 0] for x in (q, k, v, g, beta)))
+    assert_close(o[live], o_ref[live], "f32_out")
+    assert_close(swap(new)[slots[live]], s_ref[live], "f32_state")
+    untouched(swap(new))
+
+    assert_close(kda.kda_verify(swap(pool), slots, q, k, v, g, beta, **vk)[live],
+                 ref.kda_verify(S0, q, k, v, g, beta)[live], "f32_out")
+    committed = ref.kda_commit(S0, k, v, g, beta, jnp.asarray(n))
+    new = swap(kda.kda_commit(swap(pool), slots, k, v, g, beta, n, **vk))
+    assert_close(new[slots[live]], committed[live], "f32_state")
+    untouched(new)
+
+    o, new = kda.kda_commit_verify(swap(pool), slots, prev, n, q, k, v, g, beta, **vk)
+    after_prev = ref.kda_commit(S0, *prev, jnp.asarray(n))
+    assert_close(o[live], ref.kda_verify(after_prev, q, k, v, g, beta)[live], "f32_out")
+    assert_close(swap(new)[slots[live]], after_prev[live], "f32_state")
+
+    o, snaps = kda.kda_verify_snapshot(swap(pool), slots, q, k, v, g, beta, **vk)
+    new = swap(kda.kda_commit_snapshot(swap(pool), jnp.asarray(slots), snaps, jnp.asarray(n)))
+    assert_close(new[slots[live]], committed[live], "f32_state")
+    untouched(new)
+
+
+def test_state_layout_is_checked():
+    B, H, HV, K, V = 2, 1, 2, 16, 32
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(0, B, 1, H, HV, K, V))
+    ids = np.array([0, 1], np.int32)
+    with pytest.raises(ValueError, match="must have shape .* for the vk pool"):  # a kv pool passed as vk
+        kda.kda_decode(_pool(0, 3, HV, K, V), ids, q, k, v, g, beta, backend="gpu", interpret=True, state_layout="vk")
+    with pytest.raises(ValueError, match="state_layout must be"):
+        kda.kda_decode(_pool(0, 3, HV, K, V), ids, q, k, v, g, beta, state_layout="kvk")
+    with pytest.raises(ValueError, match="GPU kernels only"):
+        kda.kda_decode(_pool(0, 3, HV, V, K), ids, q, k, v, g, beta, backend="tpu", interpret=TPU_INTERPRET,
+                       state_layout="vk")
+
+
 _decode_ref = jax.jit(ref.kda_decode_step)
 
 

@@ -9,6 +9,7 @@ import tempfile
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Eight fake CPU devices for sharding tests; must be set before any backend initialises.
@@ -33,3 +34,14 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+from tests.helpers import GPU_RUNS, skip_compiled_on_cpu  # noqa: E402  (after the JAX settings above)
+
+
+@pytest.fixture(params=GPU_RUNS)
+def gpu_run(request):
+    """The GPU kernels in the generic interpreter and compiled (``GPU_RUNS``; the compiled run is
+    skipped on CPU)."""
+    skip_compiled_on_cpu(request.param)
+    return request.param

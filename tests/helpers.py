@@ -64,6 +64,12 @@ GPU_RUNS = [
 ]
 
 
+def skip_compiled_on_cpu(opts):
+    """Skip a compiled-kernel run (``interpret=False``) where only the CPU backend exists."""
+    if opts["interpret"] is False and jax.default_backend() == "cpu":
+        pytest.skip("compiled kernels need an accelerator")
+
+
 def kernel_backends(tpu_backend: str, tpu_interpret):
     """A ``run`` fixture over the Pallas backends: the TPU kernels in the Mosaic interpreter
     (``tpu_interpret``; fails the test on a detected race), the GPU kernels in the generic
@@ -76,8 +82,7 @@ def kernel_backends(tpu_backend: str, tpu_interpret):
     @pytest.fixture(params=params)
     def run(request):
         opts = request.param
-        if opts["interpret"] is False and jax.default_backend() == "cpu":
-            pytest.skip("compiled kernels need an accelerator")
+        skip_compiled_on_cpu(opts)
         yield opts
         if opts["interpret"] is tpu_interpret:
             races = tpu_interpreter.races

@@ -50,6 +50,15 @@ VERIFY_SNAPSHOT = Mode(readout=True, write_state=False, snapshot=True)
 COMMIT_VERIFY = Mode(readout=True, write_state=True, per_row_n=True, replay_first=True)
 
 
+def pool_dims(pool_shape, state_layout):
+    """``(num_slots, HV, K, V)`` of a pool stored as ``[num_slots, HV, K, V]`` ("kv") or transposed,
+    ``[num_slots, HV, V, K]`` ("vk")."""
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    num_slots, HV, a, b = pool_shape
+    return (num_slots, HV, a, b) if state_layout == "kv" else (num_slots, HV, b, a)
+
+
 def split_refs(refs, mode: Mode):
     """A window kernel's refs by role, in operand order: ``(prev, q, k, v, g, beta, pool, o, snap,
     pool_out)`` (None where the mode has none) and an iterator over what follows (scratch)."""

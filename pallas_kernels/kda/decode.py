@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import decode_gpu, decode_tpu
-from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode
+from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode, pool_dims
 
 
 def default_interpret(interpret):
@@ -43,14 +43,10 @@ def _backend_module(backend):
 
 
 def _check(pool, slot_ids, q, k, v, g, beta, window: bool, state_layout="kv"):
-    if state_layout not in ("kv", "vk"):
-        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
-    axes = "K, V" if state_layout == "kv" else "V, K"
     if pool.ndim != 4 or pool.dtype != jnp.float32:
+        axes = "V, K" if state_layout == "vk" else "K, V"
         raise ValueError(f"state_pool must be f32[num_slots, HV, {axes}], got {pool.dtype}{list(pool.shape)}")
-    num_slots, HV, K, V = pool.shape
-    if state_layout == "vk":
-        K, V = V, K
+    num_slots, HV, K, V = pool_dims(pool.shape, state_layout)
     lead = k.shape[:2] if window else k.shape[:1]
     B = lead[0]
     H = k.shape[-2]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._window import Mode, delta_update, delta_update_vk, readout, readout_vk, split_refs
+from pallas_kernels.kda._window import Mode, delta_update, delta_update_vk, pool_dims, readout, readout_vk, split_refs
 
 _F32 = jnp.float32
 
@@ -96,12 +96,8 @@ def window_call(
     warps: 31 barriers and 64 registers against 79 and 99; see docs/benchmarks.md before
     changing the default). Transposing the state in registers instead gives the "kv" code.
     """
-    if state_layout not in ("kv", "vk"):
-        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    num_slots, HV, K, V = pool_dims(pool.shape, state_layout)
     vk = state_layout == "vk"
-    num_slots, HV, K, V = pool.shape
-    if vk:
-        V, K = K, V
     BV = min(block_v, V)
     if V % BV:
         raise ValueError(f"V={V} must be a multiple of block_v={BV}")

@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import kda as ref
 from pallas_kernels import kda
-from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
+from tests.helpers import assert_close, kda_inputs, kernel_backends, random_state
 
 TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=7)
 
@@ -157,12 +157,9 @@ def test_gpu_transposed_state_layout(mode):
         np.testing.assert_array_equal(np.asarray(new[untouched]), np.asarray(pool[untouched]))
 
 
-@pytest.mark.parametrize("opts", GPU_RUNS)
-def test_public_api_on_a_transposed_pool(opts):
+def test_public_api_on_a_transposed_pool(gpu_run):
     """The public entry points with ``state_layout="vk"`` (pool ``[num_slots, HV, V, K]``) against
     the references: decode, verify, commit, fused commit+verify and the snapshot baseline."""
-    if opts["interpret"] is False and jax.default_backend() == "cpu":
-        pytest.skip("compiled kernels need an accelerator")
     B, T, H, HV, K, V = 3, 4, 1, 2, 16, 32
     q, k, v, g, beta = kda_inputs(50, B, T, H, HV, K, V)
     prev = kda_inputs(51, B, T, H, HV, K, V)[1:]
@@ -172,7 +169,7 @@ def test_public_api_on_a_transposed_pool(opts):
     n = np.array([2, 3, 4], np.int32)
     live = slots >= 0
     S0 = _rows(pool, slots)
-    vk = dict(opts, state_layout="vk")
+    vk = dict(gpu_run, state_layout="vk")
     untouched = lambda new: np.testing.assert_array_equal(np.asarray(new[np.array([0, 2, 3])]),
                                                           np.asarray(pool[np.array([0, 2, 3])]))
 
@@ -320,29 +317,26 @@ def test_commit_fused_into_next_verify(run):
     np.testing.assert_array_equal(np.asarray(fused)[[1, 2, 3]], before[[1, 2, 3]])
 
 
-@pytest.mark.parametrize("run", GPU_RUNS)
-def test_dense_adapters_match_the_references_and_fold_vmap(run):
+def test_dense_adapters_match_the_references_and_fold_vmap(gpu_run):
     """``kda_recurrent_dense`` (T = 1: the decode step; T = 5: verify + commit) and
     ``kda_commit_dense`` against the references; under ``jax.vmap`` of one-row calls (the
     engine's per-slot model) each is still one kernel call, with the same results; the
     caller's state survives the kernels' donation. (Backend-agnostic code: the generic
     interpreter suffices on CPU.)"""
-    if not run["interpret"] and jax.default_backend() == "cpu":
-        pytest.skip("compiled kernels need an accelerator")
     B, H, HV, K, V = 3, 1, 2, 16, 16
     h0 = random_state(1, (B, HV, K, V))
     one = lambda x: x[None]
     for T in (1, 5):
         x = kda_inputs(T, B, T, H, HV, K, V)
-        o, s = kda.kda_recurrent_dense(*x, initial_state=h0, **run)
+        o, s = kda.kda_recurrent_dense(*x, initial_state=h0, **gpu_run)
         o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
         assert_close(o, o_r, "f32_out")
         assert_close(s, s_r, "f32_state")
-        rows = lambda *a: kda.kda_recurrent_dense(*map(one, a[:5]), initial_state=one(a[5]), **run)
+        rows = lambda *a: kda.kda_recurrent_dense(*map(one, a[:5]), initial_state=one(a[5]), **gpu_run)
         assert str(jax.make_jaxpr(jax.vmap(rows))(*x, h0)).count("pallas_call") == (1 if T == 1 else 2)
         o2, s2 = jax.jit(jax.vmap(rows))(*x, h0)
         assert_close(o2[:, 0], o_r, "f32_out")
         assert_close(s2[:, 0], s_r, "f32_state")
     n = jnp.array([0, 2, 5], jnp.int32)
-    assert_close(kda.kda_commit_dense(h0, *x[1:], n, **run), ref.kda_commit(h0, *x[1:], n), "f32_state")
+    assert_close(kda.kda_commit_dense(h0, *x[1:], n, **gpu_run), ref.kda_commit(h0, *x[1:], n), "f32_state")
     assert np.isfinite(np.asarray(h0)).all()  # not deleted by donation

@@ -38,25 +38,21 @@ def window_inputs(seed, B, T, H):
     return q, k, v, g, beta
 
 
-_step = functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("state_layout",))
+@functools.partial(jax.jit, donate_argnums=(0,))
+def replay_step(pool, slots, n, q, k, v, g, beta):
+    o = kda.kda_verify(pool, slots, q, k, v, g, beta)
+    return o, kda.kda_commit(pool, slots, k, v, g, beta, n)
 
 
-@_step
-def replay_step(pool, slots, n, q, k, v, g, beta, state_layout="kv"):
-    o = kda.kda_verify(pool, slots, q, k, v, g, beta, state_layout=state_layout)
-    return o, kda.kda_commit(pool, slots, k, v, g, beta, n, state_layout=state_layout)
-
-
-@_step
-def fused_step(pool, slots, n, q, k, v, g, beta, prev_k, prev_v, prev_g, prev_beta, state_layout="kv"):
+@functools.partial(jax.jit, donate_argnums=(0,))
+def fused_step(pool, slots, n, q, k, v, g, beta, prev_k, prev_v, prev_g, prev_beta):
     """Commit of the previous window fused into this window's verify."""
-    return kda.kda_commit_verify(pool, slots, (prev_k, prev_v, prev_g, prev_beta), n, q, k, v, g, beta,
-                                 state_layout=state_layout)
+    return kda.kda_commit_verify(pool, slots, (prev_k, prev_v, prev_g, prev_beta), n, q, k, v, g, beta)
 
 
-@_step
-def snapshot_step(pool, slots, n, q, k, v, g, beta, state_layout="kv"):
-    o, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta, state_layout=state_layout)
+@functools.partial(jax.jit, donate_argnums=(0,))
+def snapshot_step(pool, slots, n, q, k, v, g, beta):
+    o, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta)
     return o, kda.kda_commit_snapshot(pool, slots, snaps, n)
 
 
@@ -104,12 +100,9 @@ def device_per_step(step, pool, args):
     return device_seconds(call), box[0]
 
 
-def check(B, T, H, state_layout="kv"):
+def check(B, T, H):
     """Replay and snapshot against the reference on a small batch of the same head count."""
     b = min(B, 4)
-    lay = dict(state_layout=state_layout)
-    # K = V: a "vk" pool has the same shape; it is the transpose of the "kv" one.
-    swap = (lambda x: jnp.swapaxes(x, -1, -2)) if state_layout == "vk" else jnp.array  # a copy: steps donate
     q, k, v, g, beta = window_inputs(99, b, T, H)
     pool = jax.random.normal(jax.random.key(5), (b + 1, H, K, V), jnp.float32)
     slots = jnp.arange(b, dtype=jnp.int32)[::-1] + 1
@@ -117,11 +110,10 @@ def check(B, T, H, state_layout="kv"):
     dense = pool[slots]
     o_ref = ref.kda_verify(dense, q, k, v, g, beta)
     s_ref = ref.kda_commit(dense, k, v, g, beta, n)
-    o1, p1 = replay_step(swap(pool), slots, n, q, k, v, g, beta, **lay)
-    o2, p2 = snapshot_step(swap(pool), slots, n, q, k, v, g, beta, **lay)
+    o1, p1 = replay_step(jnp.array(pool), slots, n, q, k, v, g, beta)
+    o2, p2 = snapshot_step(jnp.array(pool), slots, n, q, k, v, g, beta)
     # Fused: commit this window, then verify the same inputs again from the committed state.
-    o3, p3 = fused_step(swap(pool), slots, n, q, k, v, g, beta, k, v, g, beta, **lay)
-    p1, p2, p3 = swap(p1), swap(p2), swap(p3)
+    o3, p3 = fused_step(jnp.array(pool), slots, n, q, k, v, g, beta, k, v, g, beta)
     o3_ref = ref.kda_verify(s_ref, q, k, v, g, beta)
     errs = [rel_rms(o1, o_ref), rel_rms(p1[slots], s_ref), rel_rms(o2, o_ref), rel_rms(p2[slots], s_ref),
             rel_rms(o3, o3_ref), rel_rms(p3[slots], s_ref)]
@@ -136,10 +128,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--skip-decode", action="store_true", help="skip the decode-step comparison with fla")
     ap.add_argument("--skip-spec", action="store_true", help="only the decode-step comparison with fla")
-    ap.add_argument("--state-layout", default="kv", choices=("kv", "vk"),
-                    help="pool layout of every kernel, replay and snapshot alike (vk: [slots, HV, V, K], GPU only)")
     ap.add_argument("--tune", action="store_true",
-                    help="sweep the GPU kernel's pool layout / block_v / num_warps (device time) at --heads x "
+                    help="sweep the GPU window kernels' block_v / num_warps (device time) at --heads x "
                          "--batches and exit")
     a = ap.parse_args()
     if a.tune:
@@ -148,9 +138,9 @@ def main():
     rows = []
     for H in [] if a.skip_spec else map(int, a.heads.split(",")):
         for T in map(int, a.windows.split(",")):
-            err = check(8, T, H, a.state_layout)
+            err = check(8, T, H)
             for B in map(int, a.batches.split(",")):
-                row = {"H": H, "T": T, "B": B, "state_layout": a.state_layout, "max_err": err}
+                row = {"H": H, "T": T, "B": B, "max_err": err}
                 rows.append(row)
                 if err > 5e-3:
                     row["status"] = "MISMATCH: speed not reported"
@@ -161,16 +151,14 @@ def main():
                 rng = np.random.default_rng(T)
                 args = [(slots, jnp.asarray(rng.integers(0, T + 1, B).astype(np.int32)), *x) for x in xs]
                 pool = jax.random.normal(jax.random.key(0), (num_slots, H, K, V), jnp.float32)
-                replay, snapshot, fused = (functools.partial(f, state_layout=a.state_layout)
-                                           for f in (replay_step, snapshot_step, fused_step))
-                t_replay, pool = time_threaded(replay, pool, args, repeats=a.repeats)
-                t_snap, pool = time_threaded(snapshot, pool, args, repeats=a.repeats)
+                t_replay, pool = time_threaded(replay_step, pool, args, repeats=a.repeats)
+                t_snap, pool = time_threaded(snapshot_step, pool, args, repeats=a.repeats)
                 fused_args = [(*args[i], *xs[1 - i][1:]) for i in range(2)]
-                t_fused, pool = time_threaded(fused, pool, fused_args, repeats=a.repeats)
+                t_fused, pool = time_threaded(fused_step, pool, fused_args, repeats=a.repeats)
                 # Device time per step without the per-call sync (dependent steps, one sync per round).
                 b2b = {}
-                for name, step, x in (("replay", replay, args[0]), ("snapshot", snapshot, args[0]),
-                                      ("fused", fused, fused_args[0])):
+                for name, step, x in (("replay", replay_step, args[0]), ("snapshot", snapshot_step, args[0]),
+                                      ("fused", fused_step, fused_args[0])):
                     t, pool = time_back_to_back(step, pool, x)
                     b2b[f"{name}_b2b_us"] = t * 1e6
                     t, pool = device_per_step(step, pool, x)
@@ -227,27 +215,32 @@ def main():
 
 
 def tune(heads, batches, T=8):
-    """Device time of the GPU verify and commit kernels per (pool layout, block_v, num_warps), T = 8,
-    half the window accepted. "vk" runs on the transposed pool (K = V here, so one random array
-    serves both layouts)."""
+    """Device time of each GPU window kernel (commit, verify, fused commit + verify, verify with
+    snapshots) per (block_v, num_warps), T = 8, half the window accepted."""
     from pallas_kernels.kda import decode_gpu
-    from pallas_kernels.kda._window import COMMIT, VERIFY
+    from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, VERIFY, VERIFY_SNAPSHOT
 
-    configs = [(32, 4), (64, 4), (64, 8), (64, 16), (128, 8), (128, 16)]
+    configs = [(32, 2), (64, 8), (128, 8)]  # 128:4 takes minutes to compile; 4 warps at 32 / 64, 16 warps lose
     for H, B in itertools.product(map(int, heads.split(",")), map(int, batches.split(","))):
         q, k, v, g, beta = window_inputs(1, B, T, H)
         slots = jnp.asarray(np.random.default_rng(0).permutation(2 * B)[:B].astype(np.int32))
         n = jnp.full((B,), T // 2, jnp.int32)
         pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
-        for layout, (bv, nw) in itertools.product(("kv", "vk"), configs):
-            opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw, state_layout=layout)
-            commit = jax.jit(lambda p, s, n, k, v, g, b: (decode_gpu.window_call(p, s, n, None, k, v, g, b, mode=COMMIT, **opts)[2],),
-                             donate_argnums=(0,))
-            verify = jax.jit(lambda p, s, n, q, k, v, g, b: decode_gpu.window_call(p, s, n, q, k, v, g, b, mode=VERIFY, **opts)[0])
-            t_commit, pool = device_per_step(commit, pool, (slots, n, k, v, g, beta))
-            t_verify = device_seconds(lambda: verify(pool, slots, n, q, k, v, g, beta))
-            print(f"H={H} B={B} layout={layout} block_v={bv:>3} num_warps={nw:>2}  commit {t_commit * 1e6:7.0f} us  "
-                  f"verify {t_verify * 1e6:7.0f} us  sum {(t_commit + t_verify) * 1e6:7.0f} us", flush=True)
+        for bv, nw in configs:
+            opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw)
+            call = lambda mode, p, s, n, q, k, v, g, b, prev=None: decode_gpu.window_call(
+                p, s, n, q, k, v, g, b, mode=mode, prev=prev, **opts)
+            commit = jax.jit(lambda p, *a: (call(COMMIT, p, *a)[2],), donate_argnums=(0,))
+            fused = jax.jit(lambda p, *a: (call(COMMIT_VERIFY, p, *a, prev=a[3:])[2],), donate_argnums=(0,))
+            t = {}
+            t["commit"], pool = device_per_step(commit, pool, (slots, n, None, k, v, g, beta))
+            t["fused"], pool = device_per_step(fused, pool, (slots, n, q, k, v, g, beta))
+            for name, mode in (("verify", VERIFY), ("snapshot verify", VERIFY_SNAPSHOT)):
+                f = jax.jit(lambda p, *a: call(mode, p, *a)[:2])
+                t[name] = device_seconds(lambda: f(pool, slots, n, q, k, v, g, beta))
+            print(f"H={H} B={B} block_v={bv:>3} num_warps={nw:>2}  "
+                  + "  ".join(f"{name} {s * 1e6:7.0f} us" for name, s in t.items())
+                  + f"  verify + commit {(t['verify'] + t['commit']) * 1e6:7.0f} us", flush=True)
 
 
 def decode_vs_fla(heads, batches, repeats):

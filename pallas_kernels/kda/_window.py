@@ -50,15 +50,6 @@ VERIFY_SNAPSHOT = Mode(readout=True, write_state=False, snapshot=True)
 COMMIT_VERIFY = Mode(readout=True, write_state=True, per_row_n=True, replay_first=True)
 
 
-def pool_dims(pool_shape, state_layout):
-    """``(num_slots, HV, K, V)`` of a pool stored as ``[num_slots, HV, K, V]`` ("kv") or transposed,
-    ``[num_slots, HV, V, K]`` ("vk")."""
-    if state_layout not in ("kv", "vk"):
-        raise ValueError(f"state_layout must be 'kv' or 'vk', got {state_layout!r}")
-    num_slots, HV, a, b = pool_shape
-    return (num_slots, HV, a, b) if state_layout == "kv" else (num_slots, HV, b, a)
-
-
 def split_refs(refs, mode: Mode):
     """A window kernel's refs by role, in operand order: ``(prev, q, k, v, g, beta, pool, o, snap,
     pool_out)`` (None where the mode has none) and an iterator over what follows (scratch)."""
@@ -81,15 +72,3 @@ def readout(S, q_col, scale):
     """``o = scale * q^T S`` as a row ``[1, V]``."""
     return jnp.sum(q_col * S, axis=0, keepdims=True) * scale
 
-
-def delta_update_vk(S, k_row, v_col, g_row, b):
-    """:func:`delta_update` on the transposed state ``S^T f32[V, K]``: the reductions run along
-    the fast (last) axis. k, g: rows ``[1, K]``; v: a column ``[V, 1]``."""
-    S = S * _exp(g_row)
-    u = b * (v_col - jnp.sum(S * k_row, axis=1, keepdims=True))
-    return S + u * k_row
-
-
-def readout_vk(S, q_row, scale):
-    """:func:`readout` on the transposed state; returns a row ``[1, V]``."""
-    return (jnp.sum(S * q_row, axis=1, keepdims=True) * scale).T

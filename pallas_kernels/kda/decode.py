@@ -7,10 +7,6 @@ or ``< -1`` and repeated ids raise ``ValueError``; use ``-1`` for padding rows.
 
 The snapshot baseline (:func:`kda_verify_snapshot` + :func:`kda_commit_snapshot`) writes one
 state per window position and commits by picking one; it exists to be measured against.
-
-``state_layout`` (GPU kernels only): "kv" (default) is the pool above; "vk" is a pool stored
-transposed, ``f32[num_slots, HV, V, K]`` (snapshots ``[B, T, HV, V, K]``), whose per-token
-reductions over K stay inside a warp (``decode_gpu.window_call``).
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import decode_gpu, decode_tpu
-from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode, pool_dims
+from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode
 
 
 def default_interpret(interpret):
@@ -42,11 +38,10 @@ def _backend_module(backend):
     raise ValueError(f"no KDA decode kernel for backend {backend!r}")
 
 
-def _check(pool, slot_ids, q, k, v, g, beta, window: bool, state_layout="kv"):
+def _check(pool, slot_ids, q, k, v, g, beta, window: bool):
     if pool.ndim != 4 or pool.dtype != jnp.float32:
-        axes = "V, K" if state_layout == "vk" else "K, V"
-        raise ValueError(f"state_pool must be f32[num_slots, HV, {axes}], got {pool.dtype}{list(pool.shape)}")
-    num_slots, HV, K, V = pool_dims(pool.shape, state_layout)
+        raise ValueError(f"state_pool must be f32[num_slots, HV, K, V], got {pool.dtype}{list(pool.shape)}")
+    num_slots, HV, K, V = pool.shape
     lead = k.shape[:2] if window else k.shape[:1]
     B = lead[0]
     H = k.shape[-2]
@@ -56,8 +51,7 @@ def _check(pool, slot_ids, q, k, v, g, beta, window: bool, state_layout="kv"):
     got = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     for name, shape in want.items():
         if tuple(got[name].shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} for the {state_layout} pool {pool.shape}, "
-                             f"got {tuple(got[name].shape)}")
+            raise ValueError(f"{name} must have shape {shape} for pool {pool.shape}, got {tuple(got[name].shape)}")
     if HV % H:
         raise ValueError(f"value heads HV={HV} must be a multiple of q/k heads H={H}")
     if slot_ids.shape != (B,) or not jnp.issubdtype(slot_ids.dtype, jnp.integer):
@@ -71,54 +65,47 @@ def _check(pool, slot_ids, q, k, v, g, beta, window: bool, state_layout="kv"):
             raise ValueError(f"slot ids of live rows must be distinct, got {ids.tolist()}")
 
 
-def _impl(pool, slot_ids, num_accepted, q, k, v, g, beta, prev, *, mode: Mode, scale, interpret, backend,
-          state_layout):
+def _impl(pool, slot_ids, num_accepted, q, k, v, g, beta, prev, *, mode: Mode, scale, interpret, backend):
     impl = _backend_module(backend)
-    layout = {}
-    if state_layout != "kv":
-        if impl is not decode_gpu:
-            raise ValueError(f"state_layout={state_layout!r} is implemented for the GPU kernels only")
-        layout = {"state_layout": state_layout}
     return impl.window_call(
         pool, slot_ids.astype(jnp.int32), num_accepted.astype(jnp.int32), q, k, v, g, beta,
-        mode=mode, scale=scale, interpret=interpret, prev=prev, **layout,
+        mode=mode, scale=scale, interpret=interpret, prev=prev,
     )
 
 
-_STATIC = ("mode", "scale", "interpret", "backend", "state_layout")
+_STATIC = ("mode", "scale", "interpret", "backend")
 _run_in_place = jax.jit(_impl, static_argnames=_STATIC, donate_argnums=(0,))
 _run_read_only = jax.jit(_impl, static_argnames=_STATIC)
 
 
-def _call(mode, pool, slot_ids, num_accepted, q, k, v, g, beta, scale, interpret, backend, state_layout, prev=None):
+def _call(mode, pool, slot_ids, num_accepted, q, k, v, g, beta, scale, interpret, backend, prev=None):
     scale = float(k.shape[-1] ** -0.5 if scale is None else scale)
     run = _run_in_place if mode.write_state else _run_read_only
     return run(
         pool, jnp.asarray(slot_ids), jnp.asarray(num_accepted), q, k, v, g, beta, prev,
-        mode=mode, scale=scale, interpret=default_interpret(interpret), backend=backend, state_layout=state_layout,
+        mode=mode, scale=scale, interpret=default_interpret(interpret), backend=backend,
     )
 
 
-def kda_decode(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None, state_layout="kv"):
+def kda_decode(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
     """One decode token per row, updating each row's slot in place.
 
     Args:
       state_pool: ``f32[num_slots, HV, K, V]`` (donated); slot_ids: ``int[B]`` (-1: padding row);
       q, k: ``[B, H, K]``; v: ``[B, HV, V]``; g: ``[B, HV, K]`` log decay; beta: ``[B, HV]``.
       interpret: None (auto), False, or ``pltpu.InterpretParams``/True; backend: None (the
-        default device's), "tpu", "gpu" or "cpu" (the TPU kernel interpreted); state_layout:
-        "kv" or "vk" (GPU; see the module docstring), for every function here.
+        default device's), "tpu", "gpu" or "cpu" (the TPU kernel interpreted).
     Returns:
       ``(o [B, HV, V] in v.dtype, state_pool)``.
     """
-    _check(state_pool, slot_ids, q, k, v, g, beta, window=False, state_layout=state_layout)
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=False)
     w = lambda x: x[:, None]
     o, _, pool = _call(DECODE, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
-                       w(q), w(k), w(v), w(g), w(beta), scale, interpret, backend, state_layout)
+                       w(q), w(k), w(v), w(g), w(beta), scale, interpret, backend)
     return o[:, 0], pool
 
 
-def kda_verify(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None, state_layout="kv"):
+def kda_verify(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
     """Outputs for a speculative window; reads each row's committed state, writes no state.
 
     Args:
@@ -127,13 +114,13 @@ def kda_verify(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=
     Returns:
       ``o [B, T, HV, V]``: position ``t`` sees the state after positions ``0..t``.
     """
-    _check(state_pool, slot_ids, q, k, v, g, beta, window=True, state_layout=state_layout)
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
     o, _, _ = _call(VERIFY, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
-                    q, k, v, g, beta, scale, interpret, backend, state_layout)
+                    q, k, v, g, beta, scale, interpret, backend)
     return o
 
 
-def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, interpret=None, backend=None, state_layout="kv"):
+def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, interpret=None, backend=None):
     """Replay each row's first ``num_accepted[b]`` (0..T) window positions into its slot.
 
     Args:
@@ -142,9 +129,9 @@ def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, interpret=N
     Returns:
       the updated ``state_pool``.
     """
-    _check(state_pool, slot_ids, None, k, v, g, beta, window=True, state_layout=state_layout)
+    _check(state_pool, slot_ids, None, k, v, g, beta, window=True)
     n = jnp.clip(jnp.asarray(num_accepted), 0, k.shape[1])
-    return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend, state_layout)[2]
+    return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[2]
 
 
 def kda_commit_dense(state, k, v, g, beta, num_tokens, *, interpret=None, backend=None):
@@ -188,7 +175,7 @@ def kda_recurrent_dense(q, k, v, g, beta, *, initial_state, scale=None, interpre
 
 
 def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta, *, scale=None, interpret=None,
-                      backend=None, state_layout="kv"):
+                      backend=None):
     """Commit fused into the next verify: per row, replay the previous window's first
     ``num_accepted[b]`` positions into the slot, then verify the new window from that state.
 
@@ -201,24 +188,23 @@ def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta
     Returns:
       ``(o [B, T, HV, V], state_pool)``; ``state_pool`` holds the committed states.
     """
-    _check(state_pool, slot_ids, q, k, v, g, beta, window=True, state_layout=state_layout)
-    _check(state_pool, slot_ids, None, *prev, window=True, state_layout=state_layout)
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
+    _check(state_pool, slot_ids, None, *prev, window=True)
     n = jnp.clip(jnp.asarray(num_accepted), 0, prev[0].shape[1])
     o, _, pool = _call(COMMIT_VERIFY, state_pool, slot_ids, n, q, k, v, g, beta, scale, interpret, backend,
-                       state_layout, prev=tuple(prev))
+                       prev=tuple(prev))
     return o, pool
 
 
-def kda_verify_snapshot(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None,
-                        state_layout="kv"):
+def kda_verify_snapshot(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
     """Baseline verify: outputs plus the state after every window position.
 
     Returns:
-      ``(o [B, T, HV, V], snapshots f32[B, T, HV, K, V])`` (``[B, T, HV, V, K]`` for "vk").
+      ``(o [B, T, HV, V], snapshots f32[B, T, HV, K, V])``.
     """
-    _check(state_pool, slot_ids, q, k, v, g, beta, window=True, state_layout=state_layout)
+    _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
     o, snaps, _ = _call(VERIFY_SNAPSHOT, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
-                        q, k, v, g, beta, scale, interpret, backend, state_layout)
+                        q, k, v, g, beta, scale, interpret, backend)
     return o, snaps
 
 
@@ -228,7 +214,7 @@ def kda_commit_snapshot(state_pool, slot_ids, snapshots, num_accepted):
 
     Args:
       state_pool: ``f32[num_slots, HV, K, V]`` (donated); slot_ids: ``int[B]``;
-      snapshots: ``f32[B, T, HV, K, V]``; num_accepted: ``int[B]``. (Either layout, the same for both.)
+      snapshots: ``f32[B, T, HV, K, V]``; num_accepted: ``int[B]``.
     """
     num_slots = state_pool.shape[0]
     n = jnp.clip(num_accepted, 0, snapshots.shape[1])

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._window import Mode, delta_update, delta_update_vk, pool_dims, readout, readout_vk, split_refs
+from pallas_kernels.kda._window import VERIFY, Mode, delta_update, readout, split_refs
+from pallas_kernels.kda.prefill import gpu_core_count
 
 _F32 = jnp.float32
 
 
-def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int,
-            vk: bool):
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int):
     (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, snap_ref, pool_out_ref), _ = split_refs(refs, mode)
 
     b, h = pl.program_id(0), pl.program_id(1)
@@ -32,22 +32,18 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
     valid = (slot >= 0) & (slot < num_slots)
     n = n_ref[b]
 
-    v_at = (lambda v_ref, t: v_ref[b, t, h, cols, :]) if vk else (lambda v_ref, t: v_ref[b, t, h, :, cols])
-    # The program's state tile of a pool or snapshot ref: [K, BV], or [BV, K] when stored transposed.
-    tile = (lambda *idx: (*idx, cols, slice(None))) if vk else (lambda *idx: (*idx, slice(None), cols))
-
     def step(S, refs, t):
         k_ref, v_ref, g_ref, beta_ref = refs
-        return (delta_update_vk if vk else delta_update)(
+        return delta_update(
             S,
             k_ref[b, t, hq].astype(_F32),
-            v_at(v_ref, t).astype(_F32),
+            v_ref[b, t, h, :, cols].astype(_F32),
             g_ref[b, t, h].astype(_F32),
             beta_ref[b, t, h].astype(_F32),
         )
 
     def out(S, t):
-        return (readout_vk if vk else readout)(S, q_ref[b, t, hq].astype(_F32), scale)
+        return readout(S, q_ref[b, t, hq].astype(_F32), scale)
 
     def replay(S, refs):
         """The row's first n positions only: a loop of n steps (not T masked ones)."""
@@ -57,10 +53,10 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
 
     @pl.when(valid)
     def _():
-        S = pool_ref[tile(slot, h)]
+        S = pool_ref[slot, h, :, cols]
         if mode.replay_first:
             S = replay(S, prev_refs)
-            pool_out_ref[tile(slot, h)] = S
+            pool_out_ref[slot, h, :, cols] = S
         if mode.replay_only:
             S = replay(S, window)
         else:
@@ -69,9 +65,9 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
                 if mode.readout:
                     o_ref[b, t, h, :, cols] = out(S, t).astype(o_ref.dtype)
                 if mode.snapshot:
-                    snap_ref[tile(b, t, h)] = S
+                    snap_ref[b, t, h, :, cols] = S
         if mode.writes_at_end:
-            pool_out_ref[tile(slot, h)] = S
+            pool_out_ref[slot, h, :, cols] = S
 
     @pl.when(jnp.logical_not(valid))
     def _():
@@ -79,33 +75,31 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
             if mode.readout:
                 o_ref[b, t, h, :, cols] = jnp.zeros((1, BV), o_ref.dtype)
             if mode.snapshot:
-                snap_ref[tile(b, t, h)] = jnp.zeros((BV, snap_ref.shape[-1]) if vk else (snap_ref.shape[-2], BV), _F32)
+                snap_ref[b, t, h, :, cols] = jnp.zeros((snap_ref.shape[-2], BV), _F32)
+
+
+def default_block_v(mode: Mode, B, HV, V):
+    """Value columns per program: 128 for the plain verify once ``B x HV`` programs of 128 columns
+    fill the SMs, else 64. On the H200 at T = 8 (device time, docs/benchmarks.md): the verify at
+    128 columns took 701 against 801 us at H = 32, B = 256 (96 against 107 at B = 32; 13 against
+    11 at B = 1); the commit, the fused commit + verify and the snapshot verify were faster at 64
+    (412 / 1108 / 1702 against 432 / 1470 / 2025 us at H = 32, B = 256)."""
+    return 128 if mode == VERIFY and B * HV * max(V // 128, 1) >= gpu_core_count() else 64
 
 
 def window_call(
-    pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, prev=None, block_v=64,
-    num_warps=8, state_layout="kv",
+    pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, prev=None, block_v=None,
+    num_warps=8,
 ):
-    """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per program.
-
-    ``state_layout``: how the pool (and the snapshots) are stored. "kv": ``f32[num_slots, HV, K, V]``,
-    the package's layout; a program's ``[K, BV]`` tile is laid out with lanes along V, so the
-    per-token reductions over K cross warps (shared memory and barriers). "vk": transposed,
-    ``f32[num_slots, HV, V, K]`` (snapshots ``[B, T, HV, V, K]``); the ``[BV, K]`` tile has lanes
-    along K, so at K = 128 a reduction stays inside a warp (PTX of the verify at block_v 64, 8
-    warps: 31 barriers and 64 registers against 79 and 99; see docs/benchmarks.md before
-    changing the default). Transposing the state in registers instead gives the "kv" code.
-    """
-    num_slots, HV, K, V = pool_dims(pool.shape, state_layout)
-    vk = state_layout == "vk"
-    BV = min(block_v, V)
+    """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per
+    program (None: :func:`default_block_v`)."""
+    num_slots, HV, K, V = pool.shape
+    B, T, H, _ = k.shape
+    BV = min(block_v or default_block_v(mode, B, HV, V), V)
     if V % BV:
         raise ValueError(f"V={V} must be a multiple of block_v={BV}")
-    B, T, H, _ = k.shape
     col = lambda x: x[..., None]  # [B, T, heads, K, 1]
     row = lambda x: x[..., None, :]  # [B, T, HV, 1, V]
-    if vk:
-        col, row = row, col
     window = lambda k, v, g, beta: [col(k), row(v), col(g), beta[..., None, None]]
     inputs = (window(*prev) if mode.replay_first else []) + ([col(q)] if mode.readout else []) + window(k, v, g, beta) + [pool]
     out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
@@ -113,7 +107,7 @@ def window_call(
     if mode.readout:
         out_shape.append(jax.ShapeDtypeStruct((B, T, HV, 1, V), out_dtype))
     if mode.snapshot:
-        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, V, K) if vk else (B, T, HV, K, V), _F32))
+        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), _F32))
     aliases = {}
     if mode.write_state:
         out_shape.append(jax.ShapeDtypeStruct(pool.shape, pool.dtype))
@@ -123,8 +117,7 @@ def window_call(
         from jax.experimental.pallas import triton as pltriton
 
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
-    kernel = functools.partial(_kernel, mode=mode, T=T, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV,
-                               vk=vk)
+    kernel = functools.partial(_kernel, mode=mode, T=T, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV)
     outs = pl.pallas_call(
         kernel,
         grid=(B, HV, V // BV),

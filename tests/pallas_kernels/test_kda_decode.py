@@ -121,24 +121,22 @@ def test_snapshot_baseline_matches_replay(run):
     np.testing.assert_allclose(np.asarray(by_snapshot), np.asarray(by_replay), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY"])
-def test_gpu_transposed_state_layout(mode):
-    """The GPU kernel on a pool stored transposed ("vk": ``[num_slots, HV, V, K]``) against the
-    references (interpreted): outputs, snapshots, committed states, untouched slots."""
+@pytest.mark.parametrize("mode", ["DECODE", "VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY"])
+def test_gpu_column_blocks(mode, gpu_run):
+    """The GPU kernel with the value columns split over programs (block_v < V) against the
+    references: outputs, snapshots, committed states, padding rows, untouched slots."""
     from pallas_kernels.kda import _window, decode_gpu
 
     m = getattr(_window, mode)
-    B, T, H, HV, K, V = 3, 4, 1, 2, 16, 32
+    B, T, H, HV, K, V = 3, 1 if m is _window.DECODE else 4, 1, 2, 16, 32
     q, k, v, g, beta = kda_inputs(40, B, T, H, HV, K, V)
     prev = kda_inputs(41, B, T, H, HV, K, V)[1:]
     pool = _pool(40, 5, HV, K, V)
     slots = np.array([4, -1, 1], np.int32)
-    n = np.array([2, 3, 4], np.int32)
-    swap = lambda x: jnp.swapaxes(x, -1, -2)
-    o, snaps, new = decode_gpu.window_call(swap(pool), jnp.asarray(slots), jnp.asarray(n), q, k, v, g, beta, mode=m,
-                                           scale=K**-0.5, interpret=True, prev=prev if m.replay_first else None,
-                                           block_v=16, state_layout="vk")
-    new = swap(new)
+    n = np.array([2, 3, 4], np.int32) if m.per_row_n else np.full(B, T, np.int32)
+    o, snaps, new = decode_gpu.window_call(jnp.array(pool), jnp.asarray(slots), jnp.asarray(n), q, k, v, g, beta,
+                                           mode=m, scale=K**-0.5, prev=prev if m.replay_first else None,
+                                           block_v=16, interpret=gpu_run["interpret"])
     live = slots >= 0
     S0 = _rows(pool, slots)
     if m.replay_first:
@@ -148,7 +146,7 @@ def test_gpu_transposed_state_layout(mode):
         assert not np.any(np.asarray(o[~live]))
     if m.snapshot:
         _, states = ref._window_states(S0, q, k, v, g, beta, None)
-        assert_close(swap(snaps)[live], states[live], "f32_state")
+        assert_close(snaps[live], states[live], "f32_state")
         assert not np.any(np.asarray(snaps[~live]))
     if m.write_state:
         want = S0 if m.replay_first else ref.kda_commit(S0, k, v, g, beta, jnp.asarray(n))
@@ -157,57 +155,15 @@ def test_gpu_transposed_state_layout(mode):
         np.testing.assert_array_equal(np.asarray(new[untouched]), np.asarray(pool[untouched]))
 
 
-def test_public_api_on_a_transposed_pool(gpu_run):
-    """The public entry points with ``state_layout="vk"`` (pool ``[num_slots, HV, V, K]``) against
-    the references: decode, verify, commit, fused commit+verify and the snapshot baseline."""
-    B, T, H, HV, K, V = 3, 4, 1, 2, 16, 32
-    q, k, v, g, beta = kda_inputs(50, B, T, H, HV, K, V)
-    prev = kda_inputs(51, B, T, H, HV, K, V)[1:]
-    pool = _pool(50, 5, HV, K, V)
-    swap = lambda x: jnp.swapaxes(x, -1, -2)
-    slots = np.array([4, -1, 1], np.int32)
-    n = np.array([2, 3, 4], np.int32)
-    live = slots >= 0
-    S0 = _rows(pool, slots)
-    vk = dict(gpu_run, state_layout="vk")
-    untouched = lambda new: np.testing.assert_array_equal(np.asarray(new[np.array([0, 2, 3])]),
-                                                          np.asarray(pool[np.array([0, 2, 3])]))
+def test_gpu_block_v_rule():
+    """128 columns per program for the plain verify once the programs fill the SMs, 64 otherwise
+    and for every other mode (measured: decode_gpu.default_block_v)."""
+    from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT
+    from pallas_kernels.kda.decode_gpu import default_block_v
 
-    o, new = kda.kda_decode(swap(pool), slots, *(x[:, 0] for x in (q, k, v, g, beta)), **vk)
-    o_ref, s_ref = ref.kda_decode_step(S0, *(x[:, 0] for x in (q, k, v, g, beta)))
-    assert_close(o[live], o_ref[live], "f32_out")
-    assert_close(swap(new)[slots[live]], s_ref[live], "f32_state")
-    untouched(swap(new))
-
-    assert_close(kda.kda_verify(swap(pool), slots, q, k, v, g, beta, **vk)[live],
-                 ref.kda_verify(S0, q, k, v, g, beta)[live], "f32_out")
-    committed = ref.kda_commit(S0, k, v, g, beta, jnp.asarray(n))
-    new = swap(kda.kda_commit(swap(pool), slots, k, v, g, beta, n, **vk))
-    assert_close(new[slots[live]], committed[live], "f32_state")
-    untouched(new)
-
-    o, new = kda.kda_commit_verify(swap(pool), slots, prev, n, q, k, v, g, beta, **vk)
-    after_prev = ref.kda_commit(S0, *prev, jnp.asarray(n))
-    assert_close(o[live], ref.kda_verify(after_prev, q, k, v, g, beta)[live], "f32_out")
-    assert_close(swap(new)[slots[live]], after_prev[live], "f32_state")
-
-    o, snaps = kda.kda_verify_snapshot(swap(pool), slots, q, k, v, g, beta, **vk)
-    new = swap(kda.kda_commit_snapshot(swap(pool), jnp.asarray(slots), snaps, jnp.asarray(n)))
-    assert_close(new[slots[live]], committed[live], "f32_state")
-    untouched(new)
-
-
-def test_state_layout_is_checked():
-    B, H, HV, K, V = 2, 1, 2, 16, 32
-    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(0, B, 1, H, HV, K, V))
-    ids = np.array([0, 1], np.int32)
-    with pytest.raises(ValueError, match="must have shape .* for the vk pool"):  # a kv pool passed as vk
-        kda.kda_decode(_pool(0, 3, HV, K, V), ids, q, k, v, g, beta, backend="gpu", interpret=True, state_layout="vk")
-    with pytest.raises(ValueError, match="state_layout must be"):
-        kda.kda_decode(_pool(0, 3, HV, K, V), ids, q, k, v, g, beta, state_layout="kvk")
-    with pytest.raises(ValueError, match="GPU kernels only"):
-        kda.kda_decode(_pool(0, 3, HV, V, K), ids, q, k, v, g, beta, backend="tpu", interpret=TPU_INTERPRET,
-                       state_layout="vk")
+    assert default_block_v(VERIFY, 256, 32, 128) == 128 and default_block_v(VERIFY, 32, 32, 128) == 128
+    assert default_block_v(VERIFY, 1, 32, 128) == 64 and default_block_v(VERIFY, 1, 96, 128) == 64
+    assert {default_block_v(m, 256, 32, 128) for m in (COMMIT, COMMIT_VERIFY, DECODE, VERIFY_SNAPSHOT)} == {64}
 
 
 _decode_ref = jax.jit(ref.kda_decode_step)

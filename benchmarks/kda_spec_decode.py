@@ -56,6 +56,7 @@ def snapshot_step(pool, slots, n, q, k, v, g, beta):
     return o, kda.kda_commit_snapshot(pool, slots, snaps, n)
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
 def decode_step(pool, slots, q, k, v, g, beta):
     return kda.kda_decode(pool, slots, q, k, v, g, beta)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda._window import VERIFY, Mode, delta_update, readout, split_refs
-from pallas_kernels.kda.prefill import gpu_core_count
+from pallas_kernels.kda.prefill import gpu_core_count, gpu_programs
 
 _F32 = jnp.float32
 
@@ -84,7 +84,7 @@ def default_block_v(mode: Mode, B, HV, V):
     128 columns took 701 against 801 us at H = 32, B = 256 (96 against 107 at B = 32; 13 against
     11 at B = 1); the commit, the fused commit + verify and the snapshot verify were faster at 64
     (412 / 1108 / 1702 against 432 / 1470 / 2025 us at H = 32, B = 256)."""
-    return 128 if mode == VERIFY and B * HV * max(V // 128, 1) >= gpu_core_count() else 64
+    return 128 if mode == VERIFY and gpu_programs(B, HV, V, 128) >= gpu_core_count() else 64
 
 
 def window_call(

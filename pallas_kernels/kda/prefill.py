@@ -44,15 +44,16 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     if backend not in ("gpu", "cuda", "rocm"):
         return 1
     num_cores = num_cores or gpu_core_count()
-    programs = _scan_programs(num_seqs, num_heads, V, block_v)
+    programs = gpu_programs(num_seqs, num_heads, V, block_v)
     P = -(-num_cores // programs) if summary_paid else num_cores // programs
     P = min(P, max_chunks // min_chunks)
     return P if P >= (2 if summary_paid else 3) else 1
 
 
-def _scan_programs(num_seqs, num_heads, V, block_v):
-    """Programs of the GPU recurrent kernel per segment: one per (sequence, head, column block)."""
-    return num_seqs * num_heads * max(V // block_v, 1)
+def gpu_programs(rows, num_heads, V, block_v):
+    """Programs of a GPU kernel with one per (row, head, column block): the recurrent kernel per
+    segment (rows = sequences) and the decode window kernels (rows = batch rows)."""
+    return rows * num_heads * max(V // block_v, 1)
 
 
 def gpu_core_count() -> int:
@@ -215,7 +216,7 @@ def chunk_kda(
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu",
                                           summary_paid=initial_state_fn is not None)
         if block_v is None:
-            block_v = 64 if P > 1 or _scan_programs(N, HV, V, 64) >= gpu_core_count() else 32
+            block_v = 64 if P > 1 or gpu_programs(N, HV, V, 64) >= gpu_core_count() else 32
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)

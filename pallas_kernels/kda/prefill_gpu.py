@@ -38,6 +38,7 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref,
     K = w_ref.shape[-1]
     C = kdT_ref.shape[-1]
     lo, hi = vstart_ref[s], vend_ref[s]
+    cols = pl.ds(j * BV, BV)
     if summary:
         (final_ref,) = outs
         nK = K // BV
@@ -52,16 +53,15 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref,
         u_scale = jnp.clip(j - nK + 1, 0, 1).astype(_F32)  # 0 for the M columns
     else:
         o_ref, final_ref, ckpt_ref = outs
-        ucols = pl.ds(j * BV, BV)
+        ucols = cols
         S0 = init_ref[s, h, :, ucols]
         u_scale = 1.0
-    cols = pl.ds(j * BV, BV)
 
     def body(c, S):
         rows = pl.ds(c * C, C)
-        v_new = u_scale * u_ref[h, rows, ucols].astype(_F32) - _dot(w_ref[h, rows, :].astype(_F32), S, precision)
+        f32 = lambda ref: ref[h, rows, :].astype(_F32)  # the chunk's rows of a [HV, TT, width] input
+        v_new = u_scale * u_ref[h, rows, ucols].astype(_F32) - _dot(f32(w_ref), S, precision)
         if not summary:
-            f32 = lambda ref: ref[h, rows, :].astype(_F32)
             o = _dot(f32(qg_ref), S, precision) + _dot(f32(aqk_ref), v_new, precision)
             o_ref[rows, h, cols] = o.astype(o_ref.dtype)
         S = decay_ref[h, c] * S + _dot(kdT_ref[h, c].astype(_F32), v_new, precision)

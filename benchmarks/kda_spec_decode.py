@@ -217,7 +217,8 @@ def main():
 
 def tune(heads, batches, T=8):
     """Device time of each GPU window kernel (commit, verify, fused commit + verify, verify with
-    snapshots) per (block_v, num_warps), T = 8, half the window accepted."""
+    snapshots, loading each position's inputs in place or one ahead) per (block_v, num_warps),
+    T = 8, half the window accepted."""
     from pallas_kernels.kda import decode_gpu
     from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, VERIFY, VERIFY_SNAPSHOT
 
@@ -229,15 +230,16 @@ def tune(heads, batches, T=8):
         pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
         for bv, nw in configs:
             opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw)
-            call = lambda mode, p, s, n, q, k, v, g, b, prev=None: decode_gpu.window_call(
-                p, s, n, q, k, v, g, b, mode=mode, prev=prev, **opts)
+            call = lambda mode, p, s, n, q, k, v, g, b, prev=None, prefetch=None: decode_gpu.window_call(
+                p, s, n, q, k, v, g, b, mode=mode, prev=prev, prefetch=prefetch, **opts)
             commit = jax.jit(lambda p, *a: (call(COMMIT, p, *a)[2],), donate_argnums=(0,))
             fused = jax.jit(lambda p, *a: (call(COMMIT_VERIFY, p, *a, prev=a[3:])[2],), donate_argnums=(0,))
             t = {}
             t["commit"], pool = device_per_step(commit, pool, (slots, n, None, k, v, g, beta))
             t["fused"], pool = device_per_step(fused, pool, (slots, n, q, k, v, g, beta))
-            for name, mode in (("verify", VERIFY), ("snapshot verify", VERIFY_SNAPSHOT)):
-                f = jax.jit(lambda p, *a: call(mode, p, *a)[:2])
+            for name, mode, prefetch in (("verify", VERIFY, False), ("snapshot verify", VERIFY_SNAPSHOT, False),
+                                         ("prefetching", VERIFY_SNAPSHOT, True)):
+                f = jax.jit(lambda p, *a: call(mode, p, *a, prefetch=prefetch)[:2])
                 t[name] = device_seconds(lambda: f(pool, slots, n, q, k, v, g, beta))
             print(f"H={H} B={B} block_v={bv:>3} num_warps={nw:>2}  "
                   + "  ".join(f"{name} {s * 1e6:7.0f} us" for name, s in t.items())

@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._window import VERIFY, Mode, delta_update, readout, split_refs
+from pallas_kernels.kda._window import VERIFY, VERIFY_SNAPSHOT, Mode, delta_update, readout, split_refs
 from pallas_kernels.kda.prefill import gpu_core_count, gpu_programs
 
 _F32 = jnp.float32
 
 
-def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int):
+def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int,
+            prefetch: bool):
     (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, snap_ref, pool_out_ref), _ = split_refs(refs, mode)
 
     b, h = pl.program_id(0), pl.program_id(1)
@@ -32,18 +33,14 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
     valid = (slot >= 0) & (slot < num_slots)
     n = n_ref[b]
 
-    def step(S, refs, t):
+    def load(refs, t):
+        """Position t's inputs: k, g as columns [K, 1], v as a row [1, BV], beta [1, 1]."""
         k_ref, v_ref, g_ref, beta_ref = refs
-        return delta_update(
-            S,
-            k_ref[b, t, hq].astype(_F32),
-            v_ref[b, t, h, :, cols].astype(_F32),
-            g_ref[b, t, h].astype(_F32),
-            beta_ref[b, t, h].astype(_F32),
-        )
+        return (k_ref[b, t, hq].astype(_F32), v_ref[b, t, h, :, cols].astype(_F32), g_ref[b, t, h].astype(_F32),
+                beta_ref[b, t, h].astype(_F32))
 
-    def out(S, t):
-        return readout(S, q_ref[b, t, hq].astype(_F32), scale)
+    def step(S, refs, t):
+        return delta_update(S, *load(refs, t))
 
     def replay(S, refs):
         """The row's first n positions only: a loop of n steps (not T masked ones)."""
@@ -60,10 +57,20 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
         if mode.replay_only:
             S = replay(S, window)
         else:
+            # prefetch: position t + 1's inputs are loaded before position t's work, so their
+            # latency hides behind it (the snapshot verify, whose stores otherwise queue ahead).
+            # Without it, q is loaded after the update (fewer live registers: faster verify).
+            q_at = lambda t: q_ref[b, t, hq].astype(_F32) if mode.readout else None
+            ahead = (load(window, 0), q_at(0)) if prefetch else None
             for t in range(T):
-                S = step(S, window, t)
+                if prefetch:
+                    (x, q), ahead = ahead, ((load(window, t + 1), q_at(t + 1)) if t + 1 < T else None)
+                    S = delta_update(S, *x)
+                else:
+                    S = step(S, window, t)
+                    q = q_at(t)
                 if mode.readout:
-                    o_ref[b, t, h, :, cols] = out(S, t).astype(o_ref.dtype)
+                    o_ref[b, t, h, :, cols] = readout(S, q, scale).astype(o_ref.dtype)
                 if mode.snapshot:
                     snap_ref[b, t, h, :, cols] = S
         if mode.writes_at_end:
@@ -79,20 +86,39 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
 
 
 def default_block_v(mode: Mode, B, HV, V):
-    """Value columns per program: 128 for the plain verify once ``B x HV`` programs of 128 columns
-    fill the SMs, else 64. On the H200 at T = 8 (device time, docs/benchmarks.md): the verify at
-    128 columns took 701 against 801 us at H = 32, B = 256 (96 against 107 at B = 32; 13 against
-    11 at B = 1); the commit, the fused commit + verify and the snapshot verify were faster at 64
-    (412 / 1108 / 1702 against 432 / 1470 / 2025 us at H = 32, B = 256)."""
-    return 128 if mode == VERIFY and gpu_programs(B, HV, V, 128) >= gpu_core_count() else 64
+    """Value columns per program. On the H200 at T = 8 (device time, docs/benchmarks.md):
+    the plain verify takes 128 once ``B x HV`` programs of 128 columns fill the SMs (701 against
+    801 us at H = 32, B = 256; 96 against 107 at B = 32; 13 against 11 at B = 1); the snapshot
+    verify (prefetching) takes 128 from there up to 32 programs per SM (813 against 926 us at
+    H = 32, B = 128, but 1621 against 1445 at B = 256); the commit and the fused commit + verify
+    take 64 (412 / 1108 against 432 / 1470 us at H = 32, B = 256)."""
+    programs, sms = gpu_programs(B, HV, V, 128), gpu_core_count()
+    if mode == VERIFY:
+        return 128 if programs >= sms else 64
+    if mode == VERIFY_SNAPSHOT:
+        return 128 if sms <= programs <= 32 * sms else 64
+    return 64
+
+
+def default_prefetch(mode: Mode, B, HV, V):
+    """Whether to load each position's inputs one position ahead. On the H200 at T = 8 (device
+    time): the snapshot verify gains (64 columns: 1445 against 1675 us at H = 32, B = 256; 4425
+    against 5885 at H = 96); the verify gains while its programs do not fill the SMs (8.7
+    against 10.8 us at H = 32, B = 1) and loses once they do (108 against 95 us at B = 32);
+    the commit and the fused commit + verify lose (448 / 1148 against 406 / 1132 us at H = 32,
+    B = 256: more registers)."""
+    if mode == VERIFY:
+        return gpu_programs(B, HV, V, 128) < gpu_core_count()
+    return mode == VERIFY_SNAPSHOT
 
 
 def window_call(
     pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, prev=None, block_v=None,
-    num_warps=8,
+    num_warps=8, prefetch=None,
 ):
     """Same contract as :func:`pallas_kernels.kda.decode_tpu.window_call`; ``block_v`` columns per
-    program (None: :func:`default_block_v`)."""
+    program (None: :func:`default_block_v`); ``prefetch`` (None: :func:`default_prefetch`) loads
+    each position's inputs before the previous position's work (windows of fixed length)."""
     num_slots, HV, K, V = pool.shape
     B, T, H, _ = k.shape
     BV = min(block_v or default_block_v(mode, B, HV, V), V)
@@ -117,7 +143,8 @@ def window_call(
         from jax.experimental.pallas import triton as pltriton
 
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
-    kernel = functools.partial(_kernel, mode=mode, T=T, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV)
+    kernel = functools.partial(_kernel, mode=mode, T=T, rep=HV // H, scale=scale, num_slots=num_slots, BV=BV,
+                               prefetch=default_prefetch(mode, B, HV, V) if prefetch is None else prefetch)
     outs = pl.pallas_call(
         kernel,
         grid=(B, HV, V // BV),

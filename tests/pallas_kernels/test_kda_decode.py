@@ -121,10 +121,12 @@ def test_snapshot_baseline_matches_replay(run):
     np.testing.assert_allclose(np.asarray(by_snapshot), np.asarray(by_replay), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["DECODE", "VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY"])
-def test_gpu_column_blocks(mode, gpu_run):
-    """The GPU kernel with the value columns split over programs (block_v < V) against the
-    references: outputs, snapshots, committed states, padding rows, untouched slots."""
+@pytest.mark.parametrize("mode,prefetch", [("DECODE", False), ("VERIFY", False), ("VERIFY", True), ("COMMIT", None),
+                                          ("VERIFY_SNAPSHOT", False), ("VERIFY_SNAPSHOT", True), ("COMMIT_VERIFY", True)])
+def test_gpu_column_blocks(mode, prefetch, gpu_run):
+    """The GPU kernel with the value columns split over programs (block_v < V), loading each
+    position's inputs in place or one position ahead, against the references: outputs,
+    snapshots, committed states, padding rows, untouched slots."""
     from pallas_kernels.kda import _window, decode_gpu
 
     m = getattr(_window, mode)
@@ -136,7 +138,7 @@ def test_gpu_column_blocks(mode, gpu_run):
     n = np.array([2, 3, 4], np.int32) if m.per_row_n else np.full(B, T, np.int32)
     o, snaps, new = decode_gpu.window_call(jnp.array(pool), jnp.asarray(slots), jnp.asarray(n), q, k, v, g, beta,
                                            mode=m, scale=K**-0.5, prev=prev if m.replay_first else None,
-                                           block_v=16, interpret=gpu_run["interpret"])
+                                           block_v=16, prefetch=prefetch, interpret=gpu_run["interpret"])
     live = slots >= 0
     S0 = _rows(pool, slots)
     if m.replay_first:
@@ -155,15 +157,21 @@ def test_gpu_column_blocks(mode, gpu_run):
         np.testing.assert_array_equal(np.asarray(new[untouched]), np.asarray(pool[untouched]))
 
 
-def test_gpu_block_v_rule():
-    """128 columns per program for the plain verify once the programs fill the SMs, 64 otherwise
-    and for every other mode (measured: decode_gpu.default_block_v)."""
+def test_gpu_tiling_rules():
+    """128 columns per program for the plain verify once the programs fill the SMs, for the
+    snapshot verify up to 32 programs per SM, 64 otherwise and for every other mode; the snapshot
+    verify prefetches, the verify while its programs do not fill the SMs (measured:
+    decode_gpu.default_block_v / default_prefetch)."""
     from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT
-    from pallas_kernels.kda.decode_gpu import default_block_v
+    from pallas_kernels.kda.decode_gpu import default_block_v, default_prefetch
 
     assert default_block_v(VERIFY, 256, 32, 128) == 128 and default_block_v(VERIFY, 32, 32, 128) == 128
     assert default_block_v(VERIFY, 1, 32, 128) == 64 and default_block_v(VERIFY, 1, 96, 128) == 64
-    assert {default_block_v(m, 256, 32, 128) for m in (COMMIT, COMMIT_VERIFY, DECODE, VERIFY_SNAPSHOT)} == {64}
+    assert default_block_v(VERIFY_SNAPSHOT, 128, 32, 128) == 128 and default_block_v(VERIFY_SNAPSHOT, 256, 12, 128) == 128
+    assert default_block_v(VERIFY_SNAPSHOT, 1, 32, 128) == 64 and default_block_v(VERIFY_SNAPSHOT, 256, 32, 128) == 64
+    assert {default_block_v(m, 256, 32, 128) for m in (COMMIT, COMMIT_VERIFY, DECODE)} == {64}
+    for B, want in ((256, [VERIFY_SNAPSHOT]), (1, [VERIFY, VERIFY_SNAPSHOT])):
+        assert [m for m in (COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT) if default_prefetch(m, B, 32, 128)] == want
 
 
 _decode_ref = jax.jit(ref.kda_decode_step)

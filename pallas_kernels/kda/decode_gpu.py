@@ -61,10 +61,11 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
             # latency hides behind it (the snapshot verify, whose stores otherwise queue ahead).
             # Without it, q is loaded after the update (fewer live registers: faster verify).
             q_at = lambda t: q_ref[b, t, hq].astype(_F32) if mode.readout else None
-            ahead = (load(window, 0), q_at(0)) if prefetch else None
+            inputs = lambda t: (load(window, t), q_at(t))
+            ahead = inputs(0) if prefetch else None
             for t in range(T):
                 if prefetch:
-                    (x, q), ahead = ahead, ((load(window, t + 1), q_at(t + 1)) if t + 1 < T else None)
+                    (x, q), ahead = ahead, (inputs(t + 1) if t + 1 < T else None)
                     S = delta_update(S, *x)
                 else:
                     S = step(S, window, t)
@@ -92,11 +93,11 @@ def default_block_v(mode: Mode, B, HV, V):
     verify (prefetching) takes 128 from there up to 32 programs per SM (813 against 926 us at
     H = 32, B = 128, but 1621 against 1445 at B = 256); the commit and the fused commit + verify
     take 64 (412 / 1108 against 432 / 1470 us at H = 32, B = 256)."""
-    programs, sms = gpu_programs(B, HV, V, 128), gpu_core_count()
+    per_sm = _programs_per_sm(B, HV, V)
     if mode == VERIFY:
-        return 128 if programs >= sms else 64
+        return 128 if per_sm >= 1 else 64
     if mode == VERIFY_SNAPSHOT:
-        return 128 if sms <= programs <= 32 * sms else 64
+        return 128 if 1 <= per_sm <= 32 else 64
     return 64
 
 
@@ -108,8 +109,13 @@ def default_prefetch(mode: Mode, B, HV, V):
     the commit and the fused commit + verify lose (448 / 1148 against 406 / 1132 us at H = 32,
     B = 256: more registers)."""
     if mode == VERIFY:
-        return gpu_programs(B, HV, V, 128) < gpu_core_count()
+        return _programs_per_sm(B, HV, V) < 1
     return mode == VERIFY_SNAPSHOT
+
+
+def _programs_per_sm(B, HV, V):
+    """Programs of 128 value columns per SM: what both tiling rules are stated in."""
+    return gpu_programs(B, HV, V, 128) / gpu_core_count()
 
 
 def window_call(

@@ -232,8 +232,8 @@ def tune(heads, batches, T=8):
             opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw)
             call = lambda mode, p, s, n, q, k, v, g, b, prev=None, prefetch=None: decode_gpu.window_call(
                 p, s, n, q, k, v, g, b, mode=mode, prev=prev, prefetch=prefetch, **opts)
-            commit = jax.jit(lambda p, *a: (call(COMMIT, p, *a)[2],), donate_argnums=(0,))
-            fused = jax.jit(lambda p, *a: (call(COMMIT_VERIFY, p, *a, prev=a[3:])[2],), donate_argnums=(0,))
+            commit = jax.jit(lambda p, *a: (call(COMMIT, p, *a)[3],), donate_argnums=(0,))
+            fused = jax.jit(lambda p, *a: (call(COMMIT_VERIFY, p, *a, prev=a[3:])[3],), donate_argnums=(0,))
             t = {}
             t["commit"], pool = device_per_step(commit, pool, (slots, n, None, k, v, g, beta))
             t["fused"], pool = device_per_step(fused, pool, (slots, n, q, k, v, g, beta))

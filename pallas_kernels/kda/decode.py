@@ -11,6 +11,7 @@ state per window position and commits by picking one; it exists to be measured a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,7 +39,7 @@ def _backend_module(backend):
     raise ValueError(f"no KDA decode kernel for backend {backend!r}")
 
 
-def _check(pool, slot_ids, q, k, v, g, beta, window: bool):
+def _check(pool, slot_ids, q, k, v, g, beta, window: bool, deltas=None):
     if pool.ndim != 4 or pool.dtype != jnp.float32:
         raise ValueError(f"state_pool must be f32[num_slots, HV, K, V], got {pool.dtype}{list(pool.shape)}")
     num_slots, HV, K, V = pool.shape
@@ -52,6 +53,9 @@ def _check(pool, slot_ids, q, k, v, g, beta, window: bool):
     for name, shape in want.items():
         if tuple(got[name].shape) != shape:
             raise ValueError(f"{name} must have shape {shape} for pool {pool.shape}, got {tuple(got[name].shape)}")
+    if deltas is not None and (tuple(deltas.shape) != want["v"] or deltas.dtype != jnp.float32):
+        raise ValueError(f"deltas must be f32{list(want['v'])} (kda_verify(..., return_deltas=True)), "
+                         f"got {deltas.dtype}{list(deltas.shape)}")
     if HV % H:
         raise ValueError(f"value heads HV={HV} must be a multiple of q/k heads H={H}")
     if slot_ids.shape != (B,) or not jnp.issubdtype(slot_ids.dtype, jnp.integer):
@@ -100,38 +104,48 @@ def kda_decode(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=
     """
     _check(state_pool, slot_ids, q, k, v, g, beta, window=False)
     w = lambda x: x[:, None]
-    o, _, pool = _call(DECODE, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
+    o, _, _, pool = _call(DECODE, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
                        w(q), w(k), w(v), w(g), w(beta), scale, interpret, backend)
     return o[:, 0], pool
 
 
-def kda_verify(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
+def kda_verify(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, return_deltas=False, interpret=None,
+               backend=None):
     """Outputs for a speculative window; reads each row's committed state, writes no state.
 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``
       (the window's projected inputs: keep them, they are what :func:`kda_commit` replays).
+      return_deltas: also return each position's delta-rule correction
+        ``u_t = beta_t (v_t - k_t^T (e^{g_t} S_{t-1}))``: with them :func:`kda_commit` rebuilds
+        the state without reading it back per position (no reduction over K: faster).
     Returns:
-      ``o [B, T, HV, V]``: position ``t`` sees the state after positions ``0..t``.
+      ``o [B, T, HV, V]``: position ``t`` sees the state after positions ``0..t``; with
+      ``return_deltas``, ``(o, deltas f32[B, T, HV, V])``.
     """
     _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
-    o, _, _ = _call(VERIFY, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
-                    q, k, v, g, beta, scale, interpret, backend)
-    return o
+    o, deltas, _, _ = _call(dataclasses.replace(VERIFY, deltas_out=return_deltas), state_pool, slot_ids,
+                            np.zeros(k.shape[0], np.int32), q, k, v, g, beta, scale, interpret, backend)
+    return (o, deltas) if return_deltas else o
 
 
-def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, interpret=None, backend=None):
+def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, deltas=None, interpret=None, backend=None):
     """Replay each row's first ``num_accepted[b]`` (0..T) window positions into its slot.
 
     Args:
       k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``;
-      num_accepted: ``int[B]`` clipped to ``[0, T]``.
+      num_accepted: ``int[B]`` clipped to ``[0, T]``;
+      deltas: None, or the verify's ``deltas`` for this window and these slots' current states
+        (``kda_verify(..., return_deltas=True)``): each position is then ``S <- e^g S + k u^T``
+        with the given ``u`` (``v`` and ``beta`` are not read).
     Returns:
       the updated ``state_pool``.
     """
-    _check(state_pool, slot_ids, None, k, v, g, beta, window=True)
+    _check(state_pool, slot_ids, None, k, v, g, beta, window=True, deltas=deltas)
     n = jnp.clip(jnp.asarray(num_accepted), 0, k.shape[1])
-    return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[2]
+    if deltas is not None:
+        return _call(dataclasses.replace(COMMIT, deltas_in=True), state_pool, slot_ids, n, None, k, deltas, g, None, None, interpret, backend)[3]
+    return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[3]
 
 
 def kda_commit_dense(state, k, v, g, beta, num_tokens, *, interpret=None, backend=None):
@@ -147,7 +161,8 @@ def kda_recurrent_dense(q, k, v, g, beta, *, initial_state, scale=None, interpre
     """Short pieces with the contract of :func:`k3jax.ops.kda.naive_recurrent_kda` (``q, k
     [B, T, H, K]`` ..., ``initial_state f32[B, HV, K, V]``; returns ``(o, final_state)``) on the
     slot-pool kernels, row ``b`` being slot ``b``: T = 1 is one :func:`kda_decode` step; T > 1
-    is :func:`kda_verify` (outputs) and :func:`kda_commit` of all T positions (the state). Under
+    is :func:`kda_verify` (outputs and deltas) and :func:`kda_commit` of all T positions from the
+    deltas (the state). Under
     ``jax.vmap`` (the serving engine maps its per-sequence model over slots) the mapped axis
     folds into the kernels' rows, so one kernel call serves every slot (the model's
     ``Kernels.recurrent_kda``)."""
@@ -159,8 +174,8 @@ def kda_recurrent_dense(q, k, v, g, beta, *, initial_state, scale=None, interpre
         if T == 1:
             o, S = kda_decode(S, ids, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], scale=scale, **kw)
             return o[:, None], S
-        o = kda_verify(S, ids, q, k, v, g, beta, scale=scale, **kw)
-        return o, kda_commit(S, ids, k, v, g, beta, np.full(B, T, np.int32), **kw)
+        o, deltas = kda_verify(S, ids, q, k, v, g, beta, scale=scale, return_deltas=True, **kw)
+        return o, kda_commit(S, ids, k, v, g, beta, np.full(B, T, np.int32), deltas=deltas, **kw)
 
     batched = jax.custom_batching.custom_vmap(run)
 
@@ -174,8 +189,8 @@ def kda_recurrent_dense(q, k, v, g, beta, *, initial_state, scale=None, interpre
     return batched(q, k, v, g, beta, jnp.array(initial_state, jnp.float32, copy=True))
 
 
-def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta, *, scale=None, interpret=None,
-                      backend=None):
+def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta, *, prev_deltas=None,
+                      return_deltas=False, scale=None, interpret=None, backend=None):
     """Commit fused into the next verify: per row, replay the previous window's first
     ``num_accepted[b]`` positions into the slot, then verify the new window from that state.
 
@@ -184,16 +199,22 @@ def kda_commit_verify(state_pool, slot_ids, prev, num_accepted, q, k, v, g, beta
 
     Args:
       prev: the previous window's ``(k, v, g, beta)`` (``[B, T', ...]``, as for :func:`kda_commit`);
-      num_accepted: ``int[B]`` clipped to ``[0, T']``; q, k, v, g, beta: the new window.
+      num_accepted: ``int[B]`` clipped to ``[0, T']``; q, k, v, g, beta: the new window;
+      prev_deltas: None, or the previous window's deltas (as :func:`kda_commit`'s ``deltas``);
+      return_deltas: also return the new window's deltas (the next step's ``prev_deltas``).
     Returns:
-      ``(o [B, T, HV, V], state_pool)``; ``state_pool`` holds the committed states.
+      ``(o [B, T, HV, V], state_pool)``, or ``(o, deltas, state_pool)`` with ``return_deltas``;
+      ``state_pool`` holds the committed states.
     """
     _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
-    _check(state_pool, slot_ids, None, *prev, window=True)
+    _check(state_pool, slot_ids, None, *prev, window=True, deltas=prev_deltas)
     n = jnp.clip(jnp.asarray(num_accepted), 0, prev[0].shape[1])
-    o, _, pool = _call(COMMIT_VERIFY, state_pool, slot_ids, n, q, k, v, g, beta, scale, interpret, backend,
-                       prev=tuple(prev))
-    return o, pool
+    mode = dataclasses.replace(COMMIT_VERIFY, deltas_in=prev_deltas is not None, deltas_out=return_deltas)
+    if prev_deltas is not None:
+        prev = (prev[0], prev_deltas, prev[2])  # the replayed window: (k, deltas, g)
+    o, deltas, _, pool = _call(mode, state_pool, slot_ids, n, q, k, v, g, beta, scale, interpret, backend,
+                               prev=tuple(prev))
+    return (o, deltas, pool) if return_deltas else (o, pool)
 
 
 def kda_verify_snapshot(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, interpret=None, backend=None):
@@ -203,7 +224,7 @@ def kda_verify_snapshot(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, i
       ``(o [B, T, HV, V], snapshots f32[B, T, HV, K, V])``.
     """
     _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
-    o, snaps, _ = _call(VERIFY_SNAPSHOT, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
+    o, _, snaps, _ = _call(VERIFY_SNAPSHOT, state_pool, slot_ids, np.zeros(k.shape[0], np.int32),
                         q, k, v, g, beta, scale, interpret, backend)
     return o, snaps
 

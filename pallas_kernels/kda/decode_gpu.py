@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._window import VERIFY, VERIFY_SNAPSHOT, Mode, delta_update, readout, split_refs
+from pallas_kernels.kda._window import Mode, apply_delta, delta_rule, readout, split_refs
 from pallas_kernels.kda.prefill import gpu_core_count, gpu_programs
 
 _F32 = jnp.float32
@@ -24,7 +24,8 @@ _F32 = jnp.float32
 
 def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float, num_slots: int, BV: int,
             prefetch: bool):
-    (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, snap_ref, pool_out_ref), _ = split_refs(refs, mode)
+    (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, d_ref, snap_ref, pool_out_ref), _ = (
+        split_refs(refs, mode))
 
     b, h = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.program_id(2) * BV, BV)
@@ -34,17 +35,15 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
     n = n_ref[b]
 
     def load(refs, t):
-        """Position t's inputs: k, g as columns [K, 1], v as a row [1, BV], beta [1, 1]."""
-        k_ref, v_ref, g_ref, beta_ref = refs
+        """Position t's inputs: k, g as columns [K, 1], v (or the delta u) as a row [1, BV], beta [1, 1]."""
+        k_ref, v_ref, g_ref, *beta_ref = refs
         return (k_ref[b, t, hq].astype(_F32), v_ref[b, t, h, :, cols].astype(_F32), g_ref[b, t, h].astype(_F32),
-                beta_ref[b, t, h].astype(_F32))
-
-    def step(S, refs, t):
-        return delta_update(S, *load(refs, t))
+                *(r[b, t, h].astype(_F32) for r in beta_ref))
 
     def replay(S, refs):
         """The row's first n positions only: a loop of n steps (not T masked ones)."""
-        return jax.lax.fori_loop(0, n, lambda t, S: step(S, refs, t), S)
+        step = apply_delta if mode.deltas_in else lambda S, *x: delta_rule(S, *x)[0]
+        return jax.lax.fori_loop(0, n, lambda t, S: step(S, *load(refs, t)), S)
 
     window = (k_ref, v_ref, g_ref, beta_ref)
 
@@ -55,7 +54,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
             S = replay(S, prev_refs)
             pool_out_ref[slot, h, :, cols] = S
         if mode.replay_only:
-            S = replay(S, window)
+            S = replay(S, window[:3] if mode.deltas_in else window)
         else:
             # prefetch: position t + 1's inputs are loaded before position t's work, so their
             # latency hides behind it (the snapshot verify, whose stores otherwise queue ahead).
@@ -66,10 +65,12 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
             for t in range(T):
                 if prefetch:
                     (x, q), ahead = ahead, (inputs(t + 1) if t + 1 < T else None)
-                    S = delta_update(S, *x)
+                    S, u = delta_rule(S, *x)
                 else:
-                    S = step(S, window, t)
+                    S, u = delta_rule(S, *load(window, t))
                     q = q_at(t)
+                if mode.deltas_out:
+                    d_ref[b, t, h, :, cols] = u
                 if mode.readout:
                     o_ref[b, t, h, :, cols] = readout(S, q, scale).astype(o_ref.dtype)
                 if mode.snapshot:
@@ -80,24 +81,25 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
     @pl.when(jnp.logical_not(valid))
     def _():
         for t in range(T):
-            if mode.readout:
-                o_ref[b, t, h, :, cols] = jnp.zeros((1, BV), o_ref.dtype)
-            if mode.snapshot:
-                snap_ref[b, t, h, :, cols] = jnp.zeros((snap_ref.shape[-2], BV), _F32)
+            for ref in (o_ref, d_ref, snap_ref):
+                if ref is not None:
+                    ref[b, t, h, :, cols] = jnp.zeros((ref.shape[-2], BV), ref.dtype)
 
 
 def default_block_v(mode: Mode, B, HV, V):
     """Value columns per program. On the H200 at T = 8 (device time, docs/benchmarks.md):
-    the plain verify takes 128 once ``B x HV`` programs of 128 columns fill the SMs (701 against
-    801 us at H = 32, B = 256; 96 against 107 at B = 32; 13 against 11 at B = 1); the snapshot
-    verify (prefetching) takes 128 from there up to 32 programs per SM (813 against 926 us at
-    H = 32, B = 128, but 1621 against 1445 at B = 256); the commit and the fused commit + verify
-    take 64 (412 / 1108 against 432 / 1470 us at H = 32, B = 256)."""
+    the verify takes 128 once ``B x HV`` programs of 128 columns fill the SMs (701 against
+    801 us at H = 32, B = 256; 96 against 107 at B = 32; 13 against 11 at B = 1), and so do the
+    kernels that replay given deltas (commit 317 against 335 us, fused commit + verify 969
+    against 1002 at H = 32, B = 256); the snapshot verify (prefetching) takes 128 from there up
+    to 32 programs per SM (813 against 926 us at H = 32, B = 128, but 1621 against 1445 at
+    B = 256); the commit and the fused commit + verify that recompute the deltas take 64
+    (412 / 1108 against 432 / 1470 us at H = 32, B = 256)."""
     per_sm = _programs_per_sm(B, HV, V)
-    if mode == VERIFY:
-        return 128 if per_sm >= 1 else 64
-    if mode == VERIFY_SNAPSHOT:
+    if mode.snapshot:
         return 128 if 1 <= per_sm <= 32 else 64
+    if _is_verify(mode) or mode.deltas_in:
+        return 128 if per_sm >= 1 else 64
     return 64
 
 
@@ -107,10 +109,17 @@ def default_prefetch(mode: Mode, B, HV, V):
     against 5885 at H = 96); the verify gains while its programs do not fill the SMs (8.7
     against 10.8 us at H = 32, B = 1) and loses once they do (108 against 95 us at B = 32);
     the commit and the fused commit + verify lose (448 / 1148 against 406 / 1132 us at H = 32,
-    B = 256: more registers)."""
-    if mode == VERIFY:
+    B = 256: more registers; with given deltas 1277 against 969)."""
+    if mode.snapshot:
+        return True
+    if _is_verify(mode) or (mode.deltas_in and mode.readout):
         return _programs_per_sm(B, HV, V) < 1
-    return mode == VERIFY_SNAPSHOT
+    return False
+
+
+def _is_verify(mode: Mode):
+    """A verify without snapshots (outputs, optionally deltas; no state written)."""
+    return mode.readout and not mode.write_state and not mode.snapshot
 
 
 def _programs_per_sm(B, HV, V):
@@ -132,12 +141,12 @@ def window_call(
         raise ValueError(f"V={V} must be a multiple of block_v={BV}")
     col = lambda x: x[..., None]  # [B, T, heads, K, 1]
     row = lambda x: x[..., None, :]  # [B, T, HV, 1, V]
-    window = lambda k, v, g, beta: [col(k), row(v), col(g), beta[..., None, None]]
+    # A window: (k, v, g, beta), or (k, u, g) when it is replayed from given deltas u.
+    window = lambda k, v, g, beta=None: [col(k), row(v), col(g)] + ([] if beta is None else [beta[..., None, None]])
     inputs = (window(*prev) if mode.replay_first else []) + ([col(q)] if mode.readout else []) + window(k, v, g, beta) + [pool]
     out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
-    out_shape = []
-    if mode.readout:
-        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, 1, V), out_dtype))
+    rows_out = lambda dtype: jax.ShapeDtypeStruct((B, T, HV, 1, V), dtype)
+    out_shape = ([rows_out(out_dtype)] if mode.readout else []) + ([rows_out(_F32)] if mode.deltas_out else [])
     if mode.snapshot:
         out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), _F32))
     aliases = {}
@@ -161,5 +170,6 @@ def window_call(
     )(slot_ids, num_accepted, *inputs)
     outs = list(outs)
     o = outs.pop(0)[..., 0, :] if mode.readout else None
+    deltas = outs.pop(0)[..., 0, :] if mode.deltas_out else None
     snaps = outs.pop(0) if mode.snapshot else None
-    return o, snaps, (outs.pop(0) if mode.write_state else pool)
+    return o, deltas, snaps, (outs.pop(0) if mode.write_state else pool)

@@ -16,24 +16,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda._window import Mode, delta_update, readout, split_refs
+from pallas_kernels.kda._window import Mode, apply_delta, delta_rule, readout, split_refs
 
 _F32 = jnp.float32
 
 
-def _load_window(k_ref, v_ref, g_ref, beta_ref):
-    """A window's inputs in VMEM: K-indexed ones transposed to columns ``[K, Tp]``."""
-    return (k_ref[0, 0].astype(_F32).T, v_ref[0, 0].astype(_F32), g_ref[0, 0].astype(_F32).T,
-            beta_ref[0, 0].astype(_F32))
+def _load_window(k_ref, v_ref, g_ref, beta_ref=None):
+    """A window's inputs in VMEM: K-indexed ones transposed to columns ``[K, Tp]``; ``v_ref`` holds
+    the deltas and ``beta_ref`` is None for a window replayed from deltas."""
+    w = (k_ref[0, 0].astype(_F32).T, v_ref[0, 0].astype(_F32), g_ref[0, 0].astype(_F32).T)
+    return w if beta_ref is None else (*w, beta_ref[0, 0].astype(_F32))
 
 
 def _step(S, w, t):
-    kT, v, gT, beta = w
-    return delta_update(S, kT[:, t : t + 1], v[t : t + 1, :], gT[:, t : t + 1], beta[:, t : t + 1])
+    """Position t: the delta rule, or (a window of deltas) the given correction. Returns (S, u)."""
+    kT, v, gT, *beta = w
+    x = (kT[:, t : t + 1], v[t : t + 1, :], gT[:, t : t + 1])
+    return delta_rule(S, *x, beta[0][:, t : t + 1]) if beta else (apply_delta(S, *x), x[1])
 
 
 def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: float, num_slots: int):
-    (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_hbm, o_ref, snap_ref, pool_out_hbm), scratch = split_refs(refs, mode)
+    (prev_refs, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_hbm, o_ref, d_ref, snap_ref, pool_out_hbm), scratch = (
+        split_refs(refs, mode))
     s_vmem, sem = scratch
 
     b, h = pl.program_id(0), pl.program_id(1)
@@ -57,7 +61,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: flo
             for t in range(steps):
                 @pl.when(t < n)
                 def _(t=t):
-                    s_vmem[...] = _step(s_vmem[...], window, t)
+                    s_vmem[...] = _step(s_vmem[...], window, t)[0]
 
         if mode.replay_first:
             replay(prev, T_prev)
@@ -67,7 +71,9 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: flo
         else:
             S = s_vmem[...]
             for t in range(T):
-                S = _step(S, w, t)
+                S, u = _step(S, w, t)
+                if mode.deltas_out:
+                    d_ref[0, 0, t : t + 1, :] = u
                 if mode.readout:
                     o_ref[0, 0, t : t + 1, :] = readout(S, qT[:, t : t + 1], scale).astype(o_ref.dtype)
                 if mode.snapshot:
@@ -81,32 +87,35 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, T_prev: int, scale: flo
 
     @pl.when(jnp.logical_not(valid))
     def _():
-        if mode.readout:
-            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-        if mode.snapshot:
-            snap_ref[...] = jnp.zeros(snap_ref.shape, snap_ref.dtype)
+        for ref in (o_ref, d_ref, snap_ref):
+            if ref is not None:
+                ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
 
 def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, scale, interpret=False, prev=None):
     """Run one window kernel; inputs in the public layouts (``q, k [B, T, H, K]`` ...).
 
-    ``prev``: the previous window's ``(k, v, g, beta)`` for ``mode.replay_first``.
-    Returns ``(o [B, T, HV, V] or None, snapshots f32[B, T, HV, K, V] or None, pool)``.
+    ``prev``: the previous window's ``(k, v, g, beta)`` for ``mode.replay_first``; with
+    ``mode.deltas_in`` a replayed window is ``(k, deltas, g)`` (``v`` = deltas, ``beta`` = None).
+    Returns ``(o [B, T, HV, V] or None, deltas f32[B, T, HV, V] or None, snapshots
+    f32[B, T, HV, K, V] or None, pool)``.
     """
     num_slots, HV, K, V = pool.shape
     B, T, H, _ = k.shape
     rep = HV // H
     Tp = -(-T // 8) * 8
 
-    def window(k, v, g, beta):
+    def window(k, v, g, beta=None):
         """Specs and operands of one window: heads first, T padded to a multiple of 8."""
         T = k.shape[1]
         Tp = -(-T // 8) * 8
         pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
         heads_first = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, Tp, *]
-        specs = [qk_spec(Tp), hv_spec(Tp, V), hv_spec(Tp, K), hv_spec(1, Tp)]
-        operands = [heads_first(k), heads_first(v), heads_first(g), jnp.swapaxes(pad(beta), 1, 2)[:, :, None, :]]  # beta [B, HV, 1, Tp]
-        return specs, operands
+        specs = [qk_spec(Tp), hv_spec(Tp, V), hv_spec(Tp, K)]
+        operands = [heads_first(k), heads_first(v), heads_first(g)]
+        if beta is None:
+            return specs, operands
+        return specs + [hv_spec(1, Tp)], operands + [jnp.swapaxes(pad(beta), 1, 2)[:, :, None, :]]  # beta [B, HV, 1, Tp]
 
     qk_spec = lambda Tp: pl.BlockSpec((1, 1, Tp, K), lambda b, h, *_: (b, jax.lax.div(h, rep), 0, 0))
     hv_spec = lambda rows, D: pl.BlockSpec((1, 1, rows, D), lambda b, h, *_: (b, h, 0, 0))
@@ -125,9 +134,10 @@ def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, s
     inputs += operands + [pool]
     out_specs, out_shape = [], []
     out_dtype = v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else _F32
-    if mode.readout:
-        out_specs.append(hv_spec(Tp, V))
-        out_shape.append(jax.ShapeDtypeStruct((B, HV, Tp, V), out_dtype))
+    for present, dtype in ((mode.readout, out_dtype), (mode.deltas_out, _F32)):
+        if present:
+            out_specs.append(hv_spec(Tp, V))
+            out_shape.append(jax.ShapeDtypeStruct((B, HV, Tp, V), dtype))
     if mode.snapshot:
         out_specs.append(pl.BlockSpec((1, T, 1, K, V), lambda b, h, *_: (b, 0, h, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), _F32))
@@ -154,6 +164,8 @@ def window_call(pool, slot_ids, num_accepted, q, k, v, g, beta, *, mode: Mode, s
         interpret=interpret,
     )(slot_ids, num_accepted, *inputs)
     outs = list(outs)
-    o = jnp.swapaxes(outs.pop(0), 1, 2)[:, :T] if mode.readout else None
+    rows = lambda x: jnp.swapaxes(x, 1, 2)[:, :T]
+    o = rows(outs.pop(0)) if mode.readout else None
+    deltas = rows(outs.pop(0)) if mode.deltas_out else None
     snaps = outs.pop(0) if mode.snapshot else None
-    return o, snaps, (outs.pop(0) if mode.write_state else pool)
+    return o, deltas, snaps, (outs.pop(0) if mode.write_state else pool)

@@ -7,6 +7,7 @@ interpreter; ``-m gpu`` on a GPU runs the compiled GPU kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -83,10 +84,13 @@ def test_verify_then_commit_any_accept_counts(run, B, T, H, HV, K, V, dtype):
     dense = _rows(pool, slots)
     o = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
     assert_close(o, ref.kda_verify(dense, q, k, v, g, beta), _tol(dtype))
-    # Accept none, all, and mixed counts in one batch.
-    for n in (np.zeros(B, np.int32), np.full(B, T, np.int32), np.arange(B, dtype=np.int32) % (T + 1)):
+    o2, deltas = kda.kda_verify(pool, slots, q, k, v, g, beta, return_deltas=True, **run)
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+    # Accept none, all, and mixed counts in one batch; replay recomputing the deltas, and from them.
+    counts = (np.zeros(B, np.int32), np.full(B, T, np.int32), np.arange(B, dtype=np.int32) % (T + 1))
+    for n, given in [(n, None) for n in counts] + [(counts[2], deltas), (counts[1], deltas)]:
         before = np.asarray(pool)
-        new_pool = kda.kda_commit(jnp.asarray(before), slots, k, v, g, beta, n, **run)
+        new_pool = kda.kda_commit(jnp.asarray(before), slots, k, v, g, beta, n, deltas=given, **run)
         want = ref.kda_commit(dense, k, v, g, beta, jnp.asarray(n))
         assert_close(new_pool[slots], want, _tol(dtype, True))
         rejected = slots[n == 0]
@@ -122,7 +126,9 @@ def test_snapshot_baseline_matches_replay(run):
 
 
 @pytest.mark.parametrize("mode,prefetch", [("DECODE", False), ("VERIFY", False), ("VERIFY", True), ("COMMIT", None),
-                                          ("VERIFY_SNAPSHOT", False), ("VERIFY_SNAPSHOT", True), ("COMMIT_VERIFY", True)])
+                                          ("VERIFY_SNAPSHOT", False), ("VERIFY_SNAPSHOT", True), ("COMMIT_VERIFY", True),
+                                          ("VERIFY_DELTAS", False), ("COMMIT_DELTAS", None),
+                                          ("COMMIT_VERIFY_DELTAS", False)])
 def test_gpu_column_blocks(mode, prefetch, gpu_run):
     """The GPU kernel with the value columns split over programs (block_v < V), loading each
     position's inputs in place or one position ahead, against the references: outputs,
@@ -136,16 +142,27 @@ def test_gpu_column_blocks(mode, prefetch, gpu_run):
     pool = _pool(40, 5, HV, K, V)
     slots = np.array([4, -1, 1], np.int32)
     n = np.array([2, 3, 4], np.int32) if m.per_row_n else np.full(B, T, np.int32)
-    o, snaps, new = decode_gpu.window_call(jnp.array(pool), jnp.asarray(slots), jnp.asarray(n), q, k, v, g, beta,
-                                           mode=m, scale=K**-0.5, prev=prev if m.replay_first else None,
-                                           block_v=16, prefetch=prefetch, interpret=gpu_run["interpret"])
+    call = functools.partial(decode_gpu.window_call, mode=m, scale=K**-0.5, block_v=16, prefetch=prefetch,
+                             interpret=gpu_run["interpret"])
     live = slots >= 0
     S0 = _rows(pool, slots)
+    # Deltas of the replayed window, from the compiled verify (checked below through the states).
+    deltas_of = lambda w: call(pool, jnp.asarray(slots), jnp.asarray(n), w[0], *w, mode=_window.VERIFY_DELTAS)[1]
+    if m.replay_first:
+        given = (prev[0], deltas_of(prev), prev[2]) if m.deltas_in else prev
+    window = (q, k, deltas_of((k, v, g, beta)), g, None) if m.replay_only and m.deltas_in else (q, k, v, g, beta)
+    o, deltas, snaps, new = call(jnp.array(pool), jnp.asarray(slots), jnp.asarray(n), *window,
+                                 prev=given if m.replay_first else None)
     if m.replay_first:
         S0 = ref.kda_commit(S0, *prev, jnp.asarray(n))
     if m.readout:
         assert_close(o[live], ref.kda_verify(S0, q, k, v, g, beta)[live], "f32_out")
         assert not np.any(np.asarray(o[~live]))
+    if m.deltas_out:  # the next position's state from this one's delta
+        S1 = ref.kda_commit(S0, k, v, g, beta, jnp.ones(B, jnp.int32))
+        decayed = S0 * jnp.exp(g[:, 0])[..., None]
+        assert_close((decayed + k[:, 0, :, :, None] * deltas[:, 0, :, None, :])[live], S1[live], "f32_state")
+        assert not np.any(np.asarray(deltas[~live]))
     if m.snapshot:
         _, states = ref._window_states(S0, q, k, v, g, beta, None)
         assert_close(snaps[live], states[live], "f32_state")
@@ -158,11 +175,13 @@ def test_gpu_column_blocks(mode, prefetch, gpu_run):
 
 
 def test_gpu_tiling_rules():
-    """128 columns per program for the plain verify once the programs fill the SMs, for the
-    snapshot verify up to 32 programs per SM, 64 otherwise and for every other mode; the snapshot
-    verify prefetches, the verify while its programs do not fill the SMs (measured:
-    decode_gpu.default_block_v / default_prefetch)."""
-    from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT
+    """128 columns per program for the verify and the kernels that replay given deltas once the
+    programs fill the SMs, for the snapshot verify up to 32 programs per SM, 64 otherwise and for
+    every other mode; the snapshot verify prefetches, the verify (and the fused kernel from
+    deltas) while its programs do not fill the SMs (measured: decode_gpu.default_block_v /
+    default_prefetch)."""
+    from pallas_kernels.kda._window import (COMMIT, COMMIT_DELTAS, COMMIT_VERIFY, COMMIT_VERIFY_DELTAS, DECODE, VERIFY,
+                                            VERIFY_DELTAS, VERIFY_SNAPSHOT)
     from pallas_kernels.kda.decode_gpu import default_block_v, default_prefetch
 
     assert default_block_v(VERIFY, 256, 32, 128) == 128 and default_block_v(VERIFY, 32, 32, 128) == 128
@@ -170,8 +189,11 @@ def test_gpu_tiling_rules():
     assert default_block_v(VERIFY_SNAPSHOT, 128, 32, 128) == 128 and default_block_v(VERIFY_SNAPSHOT, 256, 12, 128) == 128
     assert default_block_v(VERIFY_SNAPSHOT, 1, 32, 128) == 64 and default_block_v(VERIFY_SNAPSHOT, 256, 32, 128) == 64
     assert {default_block_v(m, 256, 32, 128) for m in (COMMIT, COMMIT_VERIFY, DECODE)} == {64}
-    for B, want in ((256, [VERIFY_SNAPSHOT]), (1, [VERIFY, VERIFY_SNAPSHOT])):
-        assert [m for m in (COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT) if default_prefetch(m, B, 32, 128)] == want
+    deltas = (VERIFY_DELTAS, COMMIT_DELTAS, COMMIT_VERIFY_DELTAS)
+    assert [default_block_v(m, B, 32, 128) for m in deltas for B in (256, 1)] == [128, 64] * 3
+    modes = (COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT, *deltas)
+    for B, want in ((256, [VERIFY_SNAPSHOT]), (1, [VERIFY, VERIFY_SNAPSHOT, VERIFY_DELTAS, COMMIT_VERIFY_DELTAS])):
+        assert [m for m in modes if default_prefetch(m, B, 32, 128)] == want
 
 
 _decode_ref = jax.jit(ref.kda_decode_step)
@@ -188,28 +210,46 @@ def _window_ref(dense, q, k, v, g, beta, n):
     return jnp.stack(outs, axis=1), dense
 
 
-def _chain(run, steps, seed):
-    """Verify + commit with random accept counts vs sequential decoding of the committed stream."""
+def _chain(run, steps, seed, how="replay"):
+    """Verify + commit with random accept counts vs sequential decoding of the committed stream.
+    how: "replay" (the commit recomputes the deltas), "deltas" (the verify's deltas are
+    replayed), "fused" (each commit fused into the next verify, from the deltas)."""
     B, T, H, HV, K, V = 3, 4, 1, 2, 16, 16
     rng = np.random.default_rng(seed)
     pool = _pool(seed, 4, HV, K, V)
     slots = np.array([3, 0, 1], np.int32)
     dense = _rows(pool, slots)
     stream = [x.reshape(steps, B, *x.shape[1:]) for x in kda_inputs(seed, steps * B, T, H, HV, K, V)]
-    worst = 0.0
+    worst, last = 0.0, None
     for step in range(steps):
         q, k, v, g, beta = (x[step] for x in stream)
         n = jnp.asarray(rng.integers(0, T + 1, size=B).astype(np.int32))
-        o = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
-        pool = kda.kda_commit(pool, slots, k, v, g, beta, n, **run)
+        if how == "replay":
+            o = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
+            pool = kda.kda_commit(pool, slots, k, v, g, beta, n, **run)
+        elif how == "deltas" or last is None:
+            o, deltas = kda.kda_verify(pool, slots, q, k, v, g, beta, return_deltas=True, **run)
+            if how == "deltas":
+                pool = kda.kda_commit(pool, slots, k, v, g, beta, n, deltas=deltas, **run)
+        else:  # fused: commit the previous window, then verify this one
+            prev, prev_n, prev_deltas = last
+            o, deltas, pool = kda.kda_commit_verify(pool, slots, prev, prev_n, q, k, v, g, beta,
+                                                    prev_deltas=prev_deltas, return_deltas=True, **run)
+        if how == "fused":
+            last = ((k, v, g, beta), n, deltas)
         o_ref, dense = _window_ref(dense, q, k, v, g, beta, n)
         assert_close(o, o_ref, "f32_out")
+        if how == "fused" and step + 1 < steps:
+            continue  # the pool holds the state one commit behind
+        if how == "fused":
+            pool = kda.kda_commit(pool, slots, *last[0], last[1], deltas=last[2], **run)
         worst = max(worst, float(jnp.linalg.norm(pool[slots] - dense) / jnp.linalg.norm(dense)))
     assert worst <= 2e-3, worst
 
 
-def test_chained_steps_with_random_accepts(run):
-    _chain(run, 256 if run["interpret"] is True else 6, seed=3)
+@pytest.mark.parametrize("how", ["replay", "deltas", "fused"])
+def test_chained_steps_with_random_accepts(run, how):
+    _chain(run, 256 if run["interpret"] is True else 6, seed=3, how=how)
 
 
 @pytest.mark.slow
@@ -241,7 +281,8 @@ def test_race_detector_flags_a_shared_slot():
     pltpu.reset_tpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("mode", ["DECODE", "VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY"])
+@pytest.mark.parametrize("mode", ["DECODE", "VERIFY", "COMMIT", "VERIFY_SNAPSHOT", "COMMIT_VERIFY", "VERIFY_DELTAS",
+                                  "COMMIT_DELTAS", "COMMIT_VERIFY_DELTAS"])
 def test_tpu_kernels_lower_for_tpu(mode):
     """The Mosaic lowering accepts every mode at serving shapes (bf16 inputs, K = V = 128, GVA)."""
     from pallas_kernels.kda import _window, decode_tpu
@@ -252,19 +293,21 @@ def test_tpu_kernels_lower_for_tpu(mode):
     window = (spec((B, T, H, K), jnp.bfloat16), spec((B, T, HV, V), jnp.bfloat16),
               spec((B, T, HV, K), jnp.float32), spec((B, T, HV), jnp.bfloat16))
 
-    def f(*args):
-        prev = args[-4:] if m.replay_first else None
-        return decode_tpu.window_call(*args[:8], mode=m, scale=K**-0.5, prev=prev)
+    def f(pool, ids, n, q, k, v, g, beta, pk, pv, pg, pb, deltas):
+        prev = ((pk, deltas, pg) if m.deltas_in else (pk, pv, pg, pb)) if m.replay_first else None
+        if m.replay_only and m.deltas_in:
+            v, beta = deltas, None
+        return decode_tpu.window_call(pool, ids, n, q, k, v, g, beta, mode=m, scale=K**-0.5, prev=prev)
 
     args = (spec((8, HV, K, V), jnp.float32), spec((B,), jnp.int32), spec((B,), jnp.int32),
-            spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, K), jnp.bfloat16), spec((B, T, HV, V), jnp.bfloat16),
-            spec((B, T, HV, K), jnp.float32), spec((B, T, HV), jnp.bfloat16)) + (window if m.replay_first else ())
+            spec((B, T, H, K), jnp.bfloat16), *window, *window, spec((B, T, HV, V), jnp.float32))
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
     assert "tpu_custom_call" in exported.mlir_module()
 
 
 def test_commit_fused_into_next_verify(run):
-    """kda_commit_verify == kda_commit then kda_verify, with a different window length per step."""
+    """kda_commit_verify == kda_commit then kda_verify, with a different window length per step;
+    also replaying the previous window from its deltas and returning this window's."""
     B, H, HV, K, V = 3, 1, 2, 16, 64
     prev = kda_inputs(21, B, 3, H, HV, K, V)[1:]
     q, k, v, g, beta = kda_inputs(22, B, 2, H, HV, K, V)
@@ -279,6 +322,16 @@ def test_commit_fused_into_next_verify(run):
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_want), rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(o[1]) == 0)
     np.testing.assert_array_equal(np.asarray(fused)[[1, 2, 3]], before[[1, 2, 3]])
+    # From the previous window's deltas, returning this window's.
+    _, prev_deltas = kda.kda_verify(jnp.array(before), slots, prev[0], *prev, return_deltas=True, **run)
+    o_d, deltas, fused_d = kda.kda_commit_verify(jnp.array(before), slots, prev, n, q, k, v, g, beta,
+                                                 prev_deltas=prev_deltas, return_deltas=True, **run)
+    _, deltas_want = kda.kda_verify(committed, slots, q, k, v, g, beta, return_deltas=True, **run)
+    np.testing.assert_allclose(np.asarray(fused_d), np.asarray(committed), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(o_d), np.asarray(o_want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(deltas), np.asarray(deltas_want), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(deltas[1]))
+    np.testing.assert_array_equal(np.asarray(fused_d)[[1, 2, 3]], before[[1, 2, 3]])
 
 
 def test_dense_adapters_match_the_references_and_fold_vmap(gpu_run):

@@ -55,7 +55,7 @@ VERIFY_SNAPSHOT = Mode(readout=True, write_state=False, snapshot=True)
 COMMIT_VERIFY = Mode(readout=True, write_state=True, per_row_n=True, replay_first=True)
 VERIFY_DELTAS = dataclasses.replace(VERIFY, deltas_out=True)
 COMMIT_DELTAS = dataclasses.replace(COMMIT, deltas_in=True)
-COMMIT_VERIFY_DELTAS = dataclasses.replace(COMMIT_VERIFY, deltas_in=True, deltas_out=True)  # a chain's steps
+COMMIT_VERIFY_DELTAS = dataclasses.replace(COMMIT_VERIFY, deltas_in=True, deltas_out=True)
 
 
 def split_refs(refs, mode: Mode):

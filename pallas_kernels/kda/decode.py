@@ -20,7 +20,8 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import decode_gpu, decode_tpu
-from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_SNAPSHOT, Mode
+from pallas_kernels.kda._window import (COMMIT, COMMIT_DELTAS, COMMIT_VERIFY, DECODE, VERIFY, VERIFY_DELTAS,
+                                        VERIFY_SNAPSHOT, Mode)
 
 
 def default_interpret(interpret):
@@ -124,7 +125,7 @@ def kda_verify(state_pool, slot_ids, q, k, v, g, beta, *, scale=None, return_del
       ``return_deltas``, ``(o, deltas f32[B, T, HV, V])``.
     """
     _check(state_pool, slot_ids, q, k, v, g, beta, window=True)
-    o, deltas, _, _ = _call(dataclasses.replace(VERIFY, deltas_out=return_deltas), state_pool, slot_ids,
+    o, deltas, _, _ = _call(VERIFY_DELTAS if return_deltas else VERIFY, state_pool, slot_ids,
                             np.zeros(k.shape[0], np.int32), q, k, v, g, beta, scale, interpret, backend)
     return (o, deltas) if return_deltas else o
 
@@ -143,9 +144,8 @@ def kda_commit(state_pool, slot_ids, k, v, g, beta, num_accepted, *, deltas=None
     """
     _check(state_pool, slot_ids, None, k, v, g, beta, window=True, deltas=deltas)
     n = jnp.clip(jnp.asarray(num_accepted), 0, k.shape[1])
-    if deltas is not None:
-        return _call(dataclasses.replace(COMMIT, deltas_in=True), state_pool, slot_ids, n, None, k, deltas, g, None, None, interpret, backend)[3]
-    return _call(COMMIT, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[3]
+    mode, v, beta = (COMMIT, v, beta) if deltas is None else (COMMIT_DELTAS, deltas, None)
+    return _call(mode, state_pool, slot_ids, n, None, k, v, g, beta, None, interpret, backend)[3]
 
 
 def kda_commit_dense(state, k, v, g, beta, num_tokens, *, interpret=None, backend=None):

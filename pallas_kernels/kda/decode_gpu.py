@@ -45,7 +45,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
         step = apply_delta if mode.deltas_in else lambda S, *x: delta_rule(S, *x)[0]
         return jax.lax.fori_loop(0, n, lambda t, S: step(S, *load(refs, t)), S)
 
-    window = (k_ref, v_ref, g_ref, beta_ref)
+    window = tuple(r for r in (k_ref, v_ref, g_ref, beta_ref) if r is not None)  # no beta: replayed from deltas
 
     @pl.when(valid)
     def _():
@@ -54,7 +54,7 @@ def _kernel(slots_ref, n_ref, *refs, mode: Mode, T: int, rep: int, scale: float,
             S = replay(S, prev_refs)
             pool_out_ref[slot, h, :, cols] = S
         if mode.replay_only:
-            S = replay(S, window[:3] if mode.deltas_in else window)
+            S = replay(S, window)
         else:
             # prefetch: position t + 1's inputs are loaded before position t's work, so their
             # latency hides behind it (the snapshot verify, whose stores otherwise queue ahead).

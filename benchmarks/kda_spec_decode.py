@@ -40,14 +40,24 @@ def window_inputs(seed, B, T, H):
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def replay_step(pool, slots, n, q, k, v, g, beta):
+    """Verify returning the deltas, then the commit from them (no reduction over K)."""
+    o, deltas = kda.kda_verify(pool, slots, q, k, v, g, beta, return_deltas=True)
+    return o, kda.kda_commit(pool, slots, k, v, g, beta, n, deltas=deltas)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def recompute_step(pool, slots, n, q, k, v, g, beta):
+    """Verify, then a commit that recomputes the deltas from ``v`` and ``beta``."""
     o = kda.kda_verify(pool, slots, q, k, v, g, beta)
     return o, kda.kda_commit(pool, slots, k, v, g, beta, n)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def fused_step(pool, slots, n, q, k, v, g, beta, prev_k, prev_v, prev_g, prev_beta):
-    """Commit of the previous window fused into this window's verify."""
-    return kda.kda_commit_verify(pool, slots, (prev_k, prev_v, prev_g, prev_beta), n, q, k, v, g, beta)
+def fused_step(pool, slots, n, q, k, v, g, beta, prev_k, prev_v, prev_g, prev_beta, prev_deltas):
+    """Commit of the previous window (from its deltas) fused into this window's verify, which
+    returns this window's deltas for the next step."""
+    return kda.kda_commit_verify(pool, slots, (prev_k, prev_v, prev_g, prev_beta), n, q, k, v, g, beta,
+                                 prev_deltas=prev_deltas, return_deltas=True)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -102,7 +112,7 @@ def device_per_step(step, pool, args):
 
 
 def check(B, T, H):
-    """Replay and snapshot against the reference on a small batch of the same head count."""
+    """Every step against the reference on a small batch of the same head count."""
     b = min(B, 4)
     q, k, v, g, beta = window_inputs(99, b, T, H)
     pool = jax.random.normal(jax.random.key(5), (b + 1, H, K, V), jnp.float32)
@@ -111,13 +121,14 @@ def check(B, T, H):
     dense = pool[slots]
     o_ref = ref.kda_verify(dense, q, k, v, g, beta)
     s_ref = ref.kda_commit(dense, k, v, g, beta, n)
-    o1, p1 = replay_step(jnp.array(pool), slots, n, q, k, v, g, beta)
-    o2, p2 = snapshot_step(jnp.array(pool), slots, n, q, k, v, g, beta)
-    # Fused: commit this window, then verify the same inputs again from the committed state.
-    o3, p3 = fused_step(jnp.array(pool), slots, n, q, k, v, g, beta, k, v, g, beta)
-    o3_ref = ref.kda_verify(s_ref, q, k, v, g, beta)
-    errs = [rel_rms(o1, o_ref), rel_rms(p1[slots], s_ref), rel_rms(o2, o_ref), rel_rms(p2[slots], s_ref),
-            rel_rms(o3, o3_ref), rel_rms(p3[slots], s_ref)]
+    errs = []
+    for step in (replay_step, recompute_step, snapshot_step):
+        o, p = step(jnp.array(pool), slots, n, q, k, v, g, beta)
+        errs += [rel_rms(o, o_ref), rel_rms(p[slots], s_ref)]
+    # Fused: commit this window from its deltas, then verify the same inputs again from the committed state.
+    _, deltas = kda.kda_verify(pool, slots, q, k, v, g, beta, return_deltas=True)
+    o, _, p = fused_step(jnp.array(pool), slots, n, q, k, v, g, beta, k, v, g, beta, deltas)
+    errs += [rel_rms(o, ref.kda_verify(s_ref, q, k, v, g, beta)), rel_rms(p[slots], s_ref)]
     return max(errs)
 
 
@@ -152,60 +163,53 @@ def main():
                 rng = np.random.default_rng(T)
                 args = [(slots, jnp.asarray(rng.integers(0, T + 1, B).astype(np.int32)), *x) for x in xs]
                 pool = jax.random.normal(jax.random.key(0), (num_slots, H, K, V), jnp.float32)
-                t_replay, pool = time_threaded(replay_step, pool, args, repeats=a.repeats)
-                t_snap, pool = time_threaded(snapshot_step, pool, args, repeats=a.repeats)
-                fused_args = [(*args[i], *xs[1 - i][1:]) for i in range(2)]
-                t_fused, pool = time_threaded(fused_step, pool, fused_args, repeats=a.repeats)
-                # Device time per step without the per-call sync (dependent steps, one sync per round).
-                b2b = {}
-                for name, step, x in (("replay", replay_step, args[0]), ("snapshot", snapshot_step, args[0]),
-                                      ("fused", fused_step, fused_args[0])):
-                    t, pool = time_back_to_back(step, pool, x)
-                    b2b[f"{name}_b2b_us"] = t * 1e6
-                    t, pool = device_per_step(step, pool, x)
-                    b2b[f"{name}_device_us"] = t * 1e6
+                # The fused step replays the other window with deltas of the right shape (values do
+                # not change the work).
+                deltas = jnp.zeros((B, T, H, V), jnp.float32)
+                steps = {"replay": (replay_step, args), "recompute": (recompute_step, args),
+                         "snapshot": (snapshot_step, args),
+                         "fused": (fused_step, [(*args[i], *xs[1 - i][1:], deltas) for i in range(2)])}
+                for name, (step, step_args) in steps.items():
+                    t, pool = time_threaded(step, pool, step_args, repeats=a.repeats)
+                    row[f"{name}_us"] = t * 1e6
+                    t, pool = device_per_step(step, pool, step_args[0])
+                    row[f"{name}_device_us"] = t * 1e6
                 del pool
                 win_bytes = B * T * H * (2 * K * 2 + V * 2 + K * 4 + 2) + B * T * H * V * 2
-                # Replay: read state (verify) + read and write it (commit). Snapshot: read state,
+                deltas_bytes = B * T * H * V * 4
+                state = B * H * STATE_BYTES
+                # Replay: read the state (verify) + read and write it (commit), the deltas written
+                # and read once. Fused: read and write the state once. Snapshot: read the state,
                 # write T states, read one back, write it to the pool.
-                replay_bytes = 3 * B * H * STATE_BYTES + 2 * win_bytes
-                snap_bytes = (3 + T) * B * H * STATE_BYTES + win_bytes
-                row.update(
-                    replay_us=t_replay * 1e6,
-                    snapshot_us=t_snap * 1e6,
-                    speedup=t_snap / t_replay,
-                    fused_us=t_fused * 1e6,
-                    speedup_fused=t_snap / t_fused,
-                    fused_frac_bw=(2 * B * H * STATE_BYTES + 2 * win_bytes) / HBM_BYTES_PER_S / t_fused,
-                    replay_frac_bw=replay_bytes / HBM_BYTES_PER_S / t_replay,
-                    snapshot_frac_bw=snap_bytes / HBM_BYTES_PER_S / t_snap,
-                    scratch_bytes_per_request_replay=T * H * (2 * K * 2 + V * 2 + K * 4 + 2),
-                    scratch_bytes_per_request_snapshot=T * H * STATE_BYTES,
-                    **b2b,
-                    speedup_b2b=b2b["snapshot_b2b_us"] / b2b["replay_b2b_us"],
-                    speedup_fused_b2b=b2b["snapshot_b2b_us"] / b2b["fused_b2b_us"],
-                    speedup_device=b2b["snapshot_device_us"] / b2b["replay_device_us"],
-                    speedup_fused_device=b2b["snapshot_device_us"] / b2b["fused_device_us"],
-                )
+                traffic = {"replay": 3 * state + 2 * win_bytes + 2 * deltas_bytes,
+                           "recompute": 3 * state + 2 * win_bytes,
+                           "fused": 2 * state + 2 * win_bytes + 2 * deltas_bytes,
+                           "snapshot": (3 + T) * state + win_bytes}
+                for name in steps:
+                    device_s = row[f"{name}_device_us"] * 1e-6 or float("nan")  # 0: no GPU kernels (CPU)
+                    row[f"{name}_frac_bw"] = traffic[name] / HBM_BYTES_PER_S / device_s
+                    if name != "snapshot":
+                        row[f"speedup_{name}"] = row["snapshot_us"] / row[f"{name}_us"]
+                        row[f"speedup_{name}_device"] = row["snapshot_device_us"] * 1e-6 / device_s
+                row.update(scratch_bytes_per_request_replay=T * H * (2 * K * 2 + V * 2 + K * 4 + 2 + V * 4),
+                           scratch_bytes_per_request_snapshot=T * H * STATE_BYTES)
                 print(row, flush=True)
     decode_rows = [] if a.skip_decode else decode_vs_fla(a.heads, a.batches, a.repeats)
     meta = {"device": dev, "date": datetime.date.today().isoformat(), "jax": jax.__version__}
     path = write_json({"meta": meta, "spec": rows, "decode": decode_rows}, "kda_spec_decode.json")
     print(f"\n{dev}  ->  {path}")
-    print(f"{'H':>3} {'T':>2} {'B':>4} {'replay us':>10} {'fused us':>9} {'snap us':>10} {'s/r':>6} {'s/f':>6} "
-          f"{'bw% r':>6} {'bw% f':>6} {'bw% s':>6} | back to back: {'replay':>7} {'fused':>7} {'snap':>7} {'s/r':>5} {'s/f':>5}"
-          f" | device: {'replay':>7} {'fused':>7} {'snap':>7} {'s/r':>5} {'s/f':>5}")
+    names = ("replay", "fused", "recompute", "snapshot")
+    print(f"{'H':>3} {'T':>2} {'B':>4} | wall us: " + " ".join(f"{n:>9}" for n in names) + " | device us: "
+          + " ".join(f"{n:>9}" for n in names) + " | snapshot / ours (device): " + " ".join(f"{n:>9}" for n in names[:3])
+          + " | bw% (device): " + " ".join(f"{n:>9}" for n in names))
     for r in rows:
-        if "replay_us" in r:
-            print(f"{r['H']:>3} {r['T']:>2} {r['B']:>4} {r['replay_us']:>10.1f} {r['fused_us']:>9.1f} {r['snapshot_us']:>10.1f} "
-                  f"{r['speedup']:>6.2f} {r['speedup_fused']:>6.2f} {100 * r['replay_frac_bw']:>6.1f} "
-                  f"{100 * r['fused_frac_bw']:>6.1f} {100 * r['snapshot_frac_bw']:>6.1f} | {'':>13} "
-                  f"{r['replay_b2b_us']:>7.1f} {r['fused_b2b_us']:>7.1f} {r['snapshot_b2b_us']:>7.1f} "
-                  f"{r['speedup_b2b']:>5.2f} {r['speedup_fused_b2b']:>5.2f} | {'':>7} {r['replay_device_us']:>7.1f} "
-                  f"{r['fused_device_us']:>7.1f} {r['snapshot_device_us']:>7.1f} {r['speedup_device']:>5.2f} "
-                  f"{r['speedup_fused_device']:>5.2f}")
-        else:
+        if "replay_us" not in r:
             print(r)
+            continue
+        print(f"{r['H']:>3} {r['T']:>2} {r['B']:>4} | {'':>8} " + " ".join(f"{r[n + '_us']:>9.1f}" for n in names)
+              + f" | {'':>10} " + " ".join(f"{r[n + '_device_us']:>9.1f}" for n in names)
+              + f" | {'':>26} " + " ".join(f"{r['speedup_' + n + '_device']:>9.2f}" for n in names[:3])
+              + f" | {'':>13} " + " ".join(f"{100 * r[n + '_frac_bw']:>9.1f}" for n in names))
     nan = float("nan")
     print(f"\n{'H':>3} {'B':>4} {'ours us':>8} {'fla us':>8} {'fla/ours':>8} {'bw% ours':>8} | back to back: "
           f"{'ours us':>8} {'fla us':>8} {'fla/ours':>8} {'bw% ours':>8}")

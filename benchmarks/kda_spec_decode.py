@@ -1,5 +1,9 @@
 """Speculative verify + commit: replay (ours) vs the snapshot baseline, and the decode step vs fla.
 
+Steps timed per (H, T, B): replay (verify returning the deltas, commit from them), fused (the
+previous window's commit from its deltas inside this window's verify), recompute (verify, then a
+commit that recomputes the deltas) and snapshot (the baseline).
+
 Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.kda_spec_decode`` (fla-core importable for
 the decode comparison). Each point is checked against the k3jax reference on a few rows before
 it is timed. Prints a table and writes ``$OUT/kda_spec_decode.json``.

@@ -30,6 +30,8 @@ from pallas_kernels import kda
 
 K = V = 128
 STATE_BYTES = K * V * 4
+INPUT_BYTES = 2 * K * 2 + V * 2 + K * 4 + 2  # one window position's q, k, v (bf16), g (f32), beta, per head
+DELTA_BYTES = V * 4  # its f32 delta-rule correction
 
 
 def window_inputs(seed, B, T, H):
@@ -179,8 +181,8 @@ def main():
                     t, pool = device_per_step(step, pool, step_args[0])
                     row[f"{name}_device_us"] = t * 1e6
                 del pool
-                win_bytes = B * T * H * (2 * K * 2 + V * 2 + K * 4 + 2) + B * T * H * V * 2
-                deltas_bytes = B * T * H * V * 4
+                win_bytes = B * T * H * (INPUT_BYTES + V * 2)  # inputs read, outputs written
+                deltas_bytes = B * T * H * DELTA_BYTES
                 state = B * H * STATE_BYTES
                 # Replay: read the state (verify) + read and write it (commit), the deltas written
                 # and read once. Fused: read and write the state once. Snapshot: read the state,
@@ -195,7 +197,7 @@ def main():
                     if name != "snapshot":
                         row[f"speedup_{name}"] = row["snapshot_us"] / row[f"{name}_us"]
                         row[f"speedup_{name}_device"] = row["snapshot_device_us"] * 1e-6 / device_s
-                row.update(scratch_bytes_per_request_replay=T * H * (2 * K * 2 + V * 2 + K * 4 + 2 + V * 4),
+                row.update(scratch_bytes_per_request_replay=T * H * (INPUT_BYTES + DELTA_BYTES),
                            scratch_bytes_per_request_snapshot=T * H * STATE_BYTES)
                 print(row, flush=True)
     decode_rows = [] if a.skip_decode else decode_vs_fla(a.heads, a.batches, a.repeats)

@@ -13,6 +13,7 @@ gives each segment's true initial state, and a second pass finishes every segmen
 
 from __future__ import annotations
 
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
 from k3jax.ops.segments import combine_segments, segment_initial_states
-from pallas_kernels.kda import prefill_gpu, prefill_tpu
+from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
 _F32 = jnp.float32
@@ -121,7 +122,7 @@ def chunk_kda(
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
-    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64,
+    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, recurrence: str = "triton",
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -158,6 +159,11 @@ def chunk_kda(
         GPU: stage 1 then skips its per-row gate-span check (diagonal blocks always as anchored
         matmuls: finite in float32 only for bounded gates; 1.02x faster on the H200); gates
         below the bound give wrong results. The serving engine passes the K3 configs' bound.
+      recurrence: GPU: the recurrent stage's kernel, "triton" (the Pallas Triton lowering, the
+        default) or "mosaic_gpu" (:mod:`pallas_kernels.kda.prefill_mgpu`: WGMMA products with bf16
+        operands; needs bfloat16 intermediates, chunk 64, K in (64, 128), V a multiple of 64;
+        ``block_v``, ``num_warps``, ``num_stages``, ``summary_block_v`` and ``scan_precision``
+        are the Triton kernel's and do not apply).
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -182,6 +188,12 @@ def chunk_kda(
         raise ValueError("bfloat16 intermediates are implemented for the GPU kernels only")
     if gate_lower_bound is not None and not -5.0 <= gate_lower_bound <= 0.0:
         raise ValueError(f"gate_lower_bound must be in [-5, 0] (None for unbounded gates), got {gate_lower_bound}")
+    if recurrence not in ("triton", "mosaic_gpu"):
+        raise ValueError(f"recurrence must be 'triton' or 'mosaic_gpu', got {recurrence!r}")
+    if recurrence == "mosaic_gpu" and (kind != "gpu" or not prefill_mgpu.supported(K, V, chunk_size, store)):
+        raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
+                         f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
+                         f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")
     if num_segments is not None and num_segments < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
     interpret = _interpret(interpret, kind)
@@ -221,8 +233,12 @@ def chunk_kda(
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
         scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
-        kw = dict(n_ck_slots=n_slots, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
-                  precision=scan_precision, interpret=interpret)
+        if recurrence == "mosaic_gpu":
+            scan = lambda *a, block_v, **kw: prefill_mgpu.scan_call(*a, n_ck_slots=n_slots, interpret=bool(interpret),
+                                                                     **kw)
+        else:
+            scan = partial(prefill_gpu.scan_call, n_ck_slots=n_slots, num_warps=num_warps, num_stages=num_stages,
+                           precision=scan_precision, interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
         if P > 1 or initial_state_fn is not None:
@@ -236,8 +252,7 @@ def chunk_kda(
             else:  # the hook gets every sequence's whole map
                 table, e_start = (np.full((N, P), -1), np.ones((N, P)), np.ones((N, P))), None
             table = jnp.asarray(np.stack(table, axis=-1).reshape(N * P, 3), jnp.int32)
-            ME = prefill_gpu.scan_call(prep, e_start, vstart, vend, table, summary=True,
-                                       **dict(kw, block_v=summary_block_v))
+            ME = scan(prep, e_start, vstart, vend, table, summary=True, block_v=summary_block_v)
             M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is None:
                 M = M.at[:, 0].set(0.0)
@@ -245,7 +260,7 @@ def chunk_kda(
                 M_all, E_all = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
                 init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)
             starts = segment_initial_states((M, E), init).reshape(N * P, HV, K, V)
-        o, final, ckpts = prefill_gpu.scan_call(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, **kw)
+        o, final, ckpts = scan(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, block_v=block_v)
         final = final.reshape(N, P, HV, K, V)[:, -1]
     else:
         head = lambda x: jnp.moveaxis(x, 1, 0)

@@ -1,0 +1,201 @@
+"""The prefill's recurrent stage in Mosaic GPU (``plgpu.kernel``): :func:`scan_call`, the contract
+of :func:`pallas_kernels.kda.prefill_gpu.scan_call` for bfloat16 intermediates.
+
+One warpgroup per program ``(virtual sequence, HV, V / 64)`` keeps ``f32[K, 64]`` of the state
+in registers (the WGMMA accumulator layout) and loops over its chunks. Per chunk, TMA brings
+W, qg, Aqk, kd^T, U and the decay into shared memory, double-buffered: chunk ``c + 1``'s copies
+are issued before chunk ``c``'s work. The state goes to shared memory as bfloat16 (the operand
+of ``W S`` and ``qg S``) and so does ``V_new = U - W S`` (of ``Aqk V_new`` and
+``kd^T V_new``); the four products run on the tensor cores (WGMMA, bf16 operands, f32
+accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state stays float32.
+The outputs leave through shared memory by TMA; checkpoints and final states likewise.
+``summary=True`` runs the ``[M | E]`` columns as the Triton kernel does (README.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_F32, _BF16 = jnp.float32, jnp.bfloat16
+BV = 64  # value columns per program: one 128-byte swizzled row of bf16 (the WGMMA operand tile)
+
+
+def supported(K, V, C, store_dtype) -> bool:
+    """Whether :func:`scan_call` takes these sizes: bf16 intermediates, C = 64 (one WGMMA row
+    block), K in {64, 128} (the state and one accumulator fit the registers), V a multiple of 64."""
+    return jnp.dtype(store_dtype) == jnp.dtype(_BF16) and C == 64 and K in (64, 128) and V % BV == 0
+
+
+def _swizzled(dtype):
+    """SMEM transforms of a WGMMA operand: 8-row tiles of 128 bytes, 128-byte swizzle."""
+    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+
+
+def _matmul(shape, *pairs):
+    """``sum a @ b`` over ``pairs`` of SMEM operands on the tensor cores, as an f32 value
+    (WGMMA layout; the accumulator starts at zero and is awaited)."""
+
+    def run(acc_ref):
+        for a, b in pairs:
+            plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, _F32))
+
+
+def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_ref, aqk_ref, *outs, summary: bool,
+            e_init: bool):
+    s, h, j = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("j")
+    HV, TT, K = w_ref.shape
+    C = aqk_ref.shape[-1]
+    cols = pl.ds(j * BV, BV)
+    lo, hi = bounds_ref[s, 0], bounds_ref[s, 1]
+    wgmma_layout = plgpu.Layout.WGMMA
+    if summary:
+        (final_ref,) = outs
+        nK = K // BV
+        is_m = j < nK
+        ucols = pl.ds(jnp.maximum(j - nK, 0) * BV, BV)
+        hi = jnp.where(jnp.where(is_m, ck_ref[s, 1], ck_ref[s, 2]) > 0, hi, lo)
+        u_scale = jnp.where(is_m, 0.0, 1.0).astype(_F32)  # U = 0 in the M columns
+    else:
+        o_ref, final_ref, ckpt_ref = outs
+        ucols = cols
+        u_scale = None
+    # Per chunk: (source in GMEM, SMEM buffer shape, dtype, swizzled for WGMMA).
+    inputs = [
+        (lambda c: w_ref.at[h, pl.ds(c * C, C)], (C, K), _BF16, True),
+        (lambda c: kdT_ref.at[h, c], (K, C), _BF16, True),
+        (lambda c: u_ref.at[h, pl.ds(c * C, C), ucols], (C, BV), _BF16, True),
+        (lambda c: decay_ref.at[h, c], (K,), _F32, False),
+    ]
+    if not summary:
+        inputs += [
+            (lambda c: qg_ref.at[h, pl.ds(c * C, C)], (C, K), _BF16, True),
+            (lambda c: aqk_ref.at[h, pl.ds(c * C, C)], (C, C), _BF16, True),
+        ]
+    smem = lambda shape, dtype, swizzle: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype) if swizzle else ())
+    scratch = dict(
+        bufs=[smem((2, *shape), dtype, sw) for _, shape, dtype, sw in inputs],
+        ready=plgpu.Barrier(num_arrivals=len(inputs), num_barriers=2),
+        s_smem=smem((K, BV), _BF16, True),
+        vn_smem=smem((C, BV), _BF16, True),
+        st_smem=smem((K, BV), _F32, False),
+        st_ready=plgpu.Barrier(),
+        o_smem=None if summary else smem((C, BV), o_ref.dtype, True),
+    )
+
+    def body(bufs, ready, s_smem, vn_smem, st_smem, st_ready, o_smem):
+        def issue(c, slot):
+            for (src, *_), buf in zip(inputs, bufs):
+                plgpu.copy_gmem_to_smem(src(c), buf.at[slot], ready.at[slot])
+
+        def load_state(src):
+            plgpu.copy_gmem_to_smem(src, st_smem, st_ready)
+            plgpu.barrier_wait(st_ready)
+            return plgpu.load(st_smem, layout=wgmma_layout)
+
+        def store_state(S, dst):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            st_smem[...] = S
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(st_smem, dst)
+
+        if summary:
+            rows = plgpu.broadcasted_iota(jnp.int32, (K, BV), 0, layout=wgmma_layout)
+            cidx = plgpu.broadcasted_iota(jnp.int32, (K, BV), 1, layout=wgmma_layout)
+            # [I | 0]: the diagonal of the M columns (pushed past the tile in the E columns).
+            S0 = (rows == cidx + j * BV + jnp.where(is_m, 0, 2 * K)).astype(_F32)
+            if e_init:  # the E columns of a segment whose start is known begin at that state
+                src = ck_ref[s, 0]
+                start = load_state(init_ref.at[jnp.maximum(src, 0), h, :, ucols])
+                # A blend, not a select: Mosaic GPU does not broadcast a scalar predicate.
+                keep = (is_m | (src < 0)).astype(_F32)
+                S0 = keep * S0 + (1.0 - keep) * start
+        else:
+            S0 = load_state(init_ref.at[s, h, :, cols])
+
+        @pl.when(lo < hi)
+        def _():
+            issue(lo, 0)
+
+        def chunk(c, S):
+            slot = lax.rem(c - lo, 2)
+
+            @pl.when(c + 1 < hi)
+            def _():
+                issue(c + 1, 1 - slot)
+
+            plgpu.barrier_wait(ready.at[slot])
+            w, kdT, u, decay, *qa = (buf.at[slot] for buf in bufs)
+            s_smem[...] = S.astype(_BF16)
+            plgpu.commit_smem()
+            u = plgpu.load(u, layout=wgmma_layout).astype(_F32)
+            # Read before the commit_smem below: that fence orders these reads before the TMA
+            # writes the next chunk issues into this slot.
+            d = plgpu.load(decay, layout=wgmma_layout.reduce(1))
+            v_new = (u if u_scale is None else u_scale * u) - _matmul((C, BV), (w, s_smem))
+            vn_smem[...] = v_new.astype(_BF16)
+            plgpu.commit_smem()
+            if not summary:
+                qg, aqk = qa
+                o = _matmul((C, BV), (qg, s_smem), (aqk, vn_smem))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_smem[...] = o.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(c * C, C), h, cols])
+            S = lax.broadcast_in_dim(d, (K, BV), [0]) * S + _matmul((K, BV), (kdT, vn_smem))
+            if not summary:
+                slot_ck = ck_ref[c]
+
+                @pl.when(slot_ck >= 0)
+                def _():
+                    store_state(S, ckpt_ref.at[slot_ck, h, :, cols])
+
+            return S
+
+        S = lax.fori_loop(lo, hi, chunk, S0)
+        store_state(S, final_ref.at[s, h, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(lambda *a: body(*a), *scratch.values())
+
+
+def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None, interpret=False):
+    """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.prefill_gpu.scan_call`
+    (the column block is fixed at 64; ``prep`` must hold bfloat16 intermediates, see
+    :func:`supported`). ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in
+    the Mosaic GPU interpreter (on CPU)."""
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    qg, kdT, W, U, Aqk, decay = prep
+    HV, TT, K = W.shape
+    V, C = U.shape[-1], Aqk.shape[-1]
+    NC = TT // C
+    if not supported(K, V, C, W.dtype):
+        raise ValueError(f"the Mosaic GPU recurrence takes bf16 intermediates, C = 64, K in (64, 128) and V a "
+                         f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
+    Nv = vstart.shape[0]
+    width = K + V if summary else V
+    e_init = summary and init is not None
+    if summary:
+        out_type = jax.ShapeDtypeStruct((Nv, HV, K, width), _F32)
+        init = jnp.zeros((1, 1, K, V), _F32) if init is None else init
+    else:
+        out_type = (jax.ShapeDtypeStruct((TT, HV, V), out_dtype), jax.ShapeDtypeStruct((Nv, HV, K, V), _F32),
+                    jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32))
+    bounds = jnp.stack([vstart, vend], axis=-1).astype(jnp.int32)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, summary=summary, e_init=e_init),
+        out_type=out_type,
+        grid=(Nv, HV, width // BV),
+        grid_names=("s", "h", "j"),
+        interpret=interpret,
+    )
+    return kernel(bounds, ck_slot.astype(jnp.int32), kdT, W, U, decay.reshape(HV, NC, K), init.astype(_F32), qg, Aqk)

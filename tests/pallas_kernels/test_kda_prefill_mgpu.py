@@ -1,0 +1,141 @@
+"""The Mosaic GPU recurrent stage (``pallas_kernels.kda.prefill_mgpu``).
+
+CPU: the kernel in the Mosaic GPU interpreter (race detection on, uninitialised shared memory
+NaN) against a NumPy replay of the same recurrence with bf16 operands, and through
+``chunk_kda(recurrence="mosaic_gpu")`` against the k3jax references; the lowering is checked
+with ``jax.export`` for an abstract H200. ``-m gpu`` on a GPU runs the compiled kernel.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpreter
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice
+
+from k3jax.ops import kda as ref
+from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu
+from tests.helpers import assert_close, kda_inputs, random_state, rel_rms
+from tests.pallas_kernels.test_kda_prefill import _export
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+HV, K, V, C, NC = 2, 64, 128, 64, 4  # two value column blocks per head
+
+
+def _prep(seed):
+    """Random stage-1 outputs in bf16 (as the GPU stage 1 stores them), decays in (0.5, 1)."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    n = lambda key, *shape: (0.1 * jax.random.normal(key, shape)).astype(jnp.bfloat16)
+    TT = NC * C
+    return (n(ks[0], HV, TT, K), n(ks[1], HV, NC, K, C), n(ks[2], HV, TT, K), n(ks[3], HV, TT, V),
+            n(ks[4], HV, TT, C), jax.random.uniform(ks[5], (HV, NC, K, 1), minval=0.5, maxval=1.0))
+
+
+def _replay(prep, init, vstart, vend, ck_slot, n_slots, operand):
+    """The recurrence chunk by chunk in NumPy; ``operand`` rounds what the products read (S, V_new)."""
+    qg, kdT, W, U, Aqk, decay = (np.asarray(x, np.float32) for x in prep)
+    o = np.zeros((NC * C, HV, V), np.float32)
+    final = np.zeros((len(vstart), HV, K, V), np.float32)
+    ckpt = np.full((n_slots, HV, K, V), np.nan, np.float32)
+    for s, (lo, hi) in enumerate(zip(vstart, vend)):
+        S = np.array(init[s], np.float32)
+        for c in range(lo, hi):
+            r = slice(c * C, (c + 1) * C)
+            for h in range(HV):
+                Sb = operand(S[h])
+                v_new = U[h, r] - W[h, r] @ Sb
+                o[r, h] = qg[h, r] @ Sb + Aqk[h, r] @ operand(v_new)
+                S[h] = decay[h, c] * S[h] + kdT[h, c] @ operand(v_new)
+            if ck_slot[c] >= 0:
+                ckpt[ck_slot[c]] = S
+        final[s] = S
+    return o, final, ckpt
+
+
+def _bf16(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_recurrence_matches_the_bf16_operand_replay():
+    """Three virtual sequences (one chunk, none, three), initial states, checkpoints after chunks
+    0 and 2: outputs, final states and checkpoints match the replay with bf16 operands, closer
+    than the float32-operand replay does (the rounding is the kernel's), with no race."""
+    prep = _prep(0)
+    vstart, vend = np.array([0, 1, 1], np.int32), np.array([1, 1, 4], np.int32)
+    ck_slot = np.array([0, -1, 1, -1], np.int32)
+    init = random_state(0, (3, HV, K, V))
+    got = prefill_mgpu.scan_call(prep, init, jnp.asarray(vstart), jnp.asarray(vend), jnp.asarray(ck_slot),
+                                 n_ck_slots=2, out_dtype=jnp.float32, interpret=INTERPRET)
+    assert not mgpu_interpreter.get_races().races_found
+    want = _replay(prep, init, vstart, vend, ck_slot, 2, _bf16)
+    f32 = _replay(prep, init, vstart, vend, ck_slot, 2, lambda x: x)
+    for x, w, w32 in zip(got, want, f32):
+        assert rel_rms(x, w) <= 2e-5 < rel_rms(x, w32)
+    np.testing.assert_array_equal(np.asarray(got[1][1]), np.asarray(init[1]))  # no chunks: the start
+
+
+def test_summary_mode_matches_the_triton_kernel():
+    """Summary mode (``[M | E]`` columns): the whole maps of two segments, and a segment whose E
+    columns start from a state with its M columns skipped (I returned): the Triton kernel's
+    results (interpreted, float32 operands) within bf16 rounding; the skipped blocks exactly."""
+    prep = _prep(1)
+    vstart, vend = jnp.array([0, 2], jnp.int32), jnp.array([2, 4], jnp.int32)
+    S0 = random_state(1, (2, HV, K, V))
+    for table in ([[-1, 1, 1], [-1, 1, 1]], [[1, 0, 1], [-1, 0, 0]]):
+        table = jnp.array(table, jnp.int32)
+        got = prefill_mgpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, interpret=INTERPRET)
+        want = prefill_gpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=64,
+                                     interpret=True)
+        assert not mgpu_interpreter.get_races().races_found
+        assert_close(got, want, "bf16")
+    eye = np.broadcast_to(np.eye(K), (HV, K, K))
+    np.testing.assert_array_equal(np.asarray(got[:, :, :, :K]), np.stack([eye, eye]))
+    assert not np.any(np.asarray(got[1, :, :, K:]))
+
+
+def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
+    """``chunk_kda(recurrence="mosaic_gpu")``: bf16 inputs, GVA, a sequence that is not a whole
+    number of chunks, initial states, 64-token checkpoints, 1 and 2 segments; against the
+    references within bf16 tolerance."""
+    cu = jnp.array([0, 200, 264], jnp.int32)
+    x = kda_inputs(5, 1, 264, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16)
+    h0 = random_state(5, (2, 2, 64, 64))
+    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
+    _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
+    for P in (1, 2):
+        o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=P,
+                                     recurrence="mosaic_gpu", **gpu_run)
+        assert o.dtype == jnp.bfloat16
+        assert_close(o, o_r, "bf16")
+        assert_close(s, s_r, "bf16")
+        assert_close(ck, ck_r, "bf16")
+
+
+def test_the_mosaic_recurrence_lowers_for_the_h200():
+    """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
+    kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments)."""
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    module = _export("gpu", "cuda", h200, recurrence="mosaic_gpu")
+    assert module.count("mosaic_gpu_v2") == 2 and module.count("xla.gpu.triton") == 4
+
+
+def test_bad_arguments_are_rejected():
+    x = kda_inputs(7, 1, 64, 1, 1, 64, 64, dtype=jnp.bfloat16)
+    run = partial(prefill.chunk_kda, *x, backend="gpu", interpret=True)
+    with pytest.raises(ValueError, match="recurrence must be"):
+        run(recurrence="mosaic")
+    with pytest.raises(ValueError, match="bfloat16 intermediates"):
+        run(recurrence="mosaic_gpu", intermediate_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="chunk_size 64"):
+        run(recurrence="mosaic_gpu", chunk_size=32)
+    with pytest.raises(ValueError, match="GPU backend"):
+        prefill.chunk_kda(*x, backend="tpu", recurrence="mosaic_gpu")
+    f32_prep = tuple(a.astype(jnp.float32) for a in _prep(2))
+    with pytest.raises(ValueError, match="takes bf16 intermediates"):
+        prefill_mgpu.scan_call(f32_prep, None, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
+                               jnp.zeros(NC, jnp.int32), n_ck_slots=1)

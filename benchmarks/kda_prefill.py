@@ -57,6 +57,9 @@ def main():
                     help="comma list: auto (the default), f32 and/or bf16 (what the stages pass through memory)")
     ap.add_argument("--k3-gates", action="store_true", help="K3 gates (lower bound -5) instead of Kimi Linear ones")
     ap.add_argument("--diag", default="exact", help="comma list: exact and/or bounded (gate_lower_bound=-5; needs --k3-gates)")
+    ap.add_argument("--recurrence", default="triton",
+                    help="comma list: triton and/or mosaic_gpu (the recurrent stage's kernel; mosaic_gpu needs bf16 "
+                         "intermediates)")
     a = ap.parse_args()
     if "bounded" in a.diag and not a.k3_gates:
         ap.error("--diag bounded needs --k3-gates")
@@ -80,9 +83,9 @@ def main():
     for B, T, H in shapes:
         xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
         planned = prefill.plan_segments(B, H, 128, T // 64, backend="gpu")
-        sweep = [(planned if p == "plan" else int(p), cfg, pp, im, dg) for p in a.segments.split(",") for cfg in configs
-                 for pp in a.prep_precision.split(",")
-                 for im in a.intermediates.split(",") for dg in a.diag.split(",")]
+        sweep = [(planned if p == "plan" else int(p), cfg, pp, im, dg, rc) for p in a.segments.split(",")
+                 for cfg in configs for pp in a.prep_precision.split(",") for im in a.intermediates.split(",")
+                 for dg in a.diag.split(",") for rc in a.recurrence.split(",")]
         txs = [tuple(to_torch(x) for x in x3) for x3 in xs]
         tx = txs[0]
         t_fla = time_torch(theirs, txs, repeats=a.repeats)
@@ -91,7 +94,7 @@ def main():
         o_f, S_f = theirs(*tx)
         o_f, S_f = jnp.from_dlpack(o_f.float()), jnp.from_dlpack(S_f.float().contiguous())
         t_prep = {}
-        for P, cfg, pp, im, dg in sweep:
+        for P, cfg, pp, im, dg, rc in sweep:
             pw = cfg["prep_num_warps"]
             key = (pw, pp, im, dg)  # what stage 1 depends on
             if key not in t_prep:
@@ -102,11 +105,11 @@ def main():
                 t_prep[key] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)
             ours = jax.jit(partial(prefill.chunk_kda, num_segments=P, prep_precision=PREP_PRECISIONS[pp],
                                    intermediate_dtype=INTERMEDIATES[im],
-                                   gate_lower_bound=bound if dg == "bounded" else None, **cfg))
+                                   gate_lower_bound=bound if dg == "bounded" else None, recurrence=rc, **cfg))
             o, S = ours(*xs[0])
             err_o, err_s = rel_rms(o.astype(jnp.float32), o_f), rel_rms(S, S_f)
             row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned, **cfg, "prep": pp,
-                   "intermediates": im, "diag": dg, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
+                   "intermediates": im, "diag": dg, "recurrence": rc, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
             if max(err_o, err_s) > MATCH_TOL:
                 row["status"] = "MISMATCH: speed not reported"
             else:
@@ -125,11 +128,11 @@ def main():
             print(row, flush=True)
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "sanity": sanity}
     write_json({"meta": meta, "rows": rows}, "kda_prefill.json")
-    print(f"\n{'B':>2} {'T':>7} {'H':>3} {'P':>3} {'bv:w:s:pw:prep:im:diag':>26} {'ours ms':>9} {'stage1':>8} {'fla ms':>8} {'ours/fla':>9} "
+    print(f"\n{'B':>2} {'T':>7} {'H':>3} {'P':>3} {'bv:w:s:pw:prep:im:diag:rec':>37} {'ours ms':>9} {'stage1':>8} {'fla ms':>8} {'ours/fla':>9} "
           f"{'err':>8} | b2b: {'ours':>6} {'fla':>6} {'ratio':>6} | device: {'ours':>6} {'fla':>6} {'ratio':>6}")
     for r in rows:
         if r["status"] == "ok":
-            print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {cfg_str(r):>26} {r['ms_ours']:9.2f} {r['ms_stage1']:8.2f} "
+            print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {cfg_str(r):>37} {r['ms_ours']:9.2f} {r['ms_stage1']:8.2f} "
                   f"{r['ms_fla']:8.2f} {r['ours_over_fla']:9.2f} {r['err_out_vs_fla']:8.1e} | {'':>4} {r['ms_ours_b2b']:6.2f} "
                   f"{r['ms_fla_b2b']:6.2f} {r['ours_over_fla_b2b']:6.2f} | {'':>7} {r['ms_ours_device']:6.2f} "
                   f"{r['ms_fla_device']:6.2f} {r['ours_over_fla_device']:6.2f}")
@@ -138,7 +141,8 @@ def main():
 
 
 def cfg_str(r):
-    return ":".join(str(r[k]) for k in ("block_v", "num_warps", "num_stages", "prep_num_warps", "prep", "intermediates", "diag"))
+    return ":".join(str(r[k]) for k in ("block_v", "num_warps", "num_stages", "prep_num_warps", "prep", "intermediates", "diag",
+                                          "recurrence"))
 
 
 if __name__ == "__main__":

@@ -37,16 +37,17 @@ def _swizzled(dtype):
     return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
 
 
-def _matmul(shape, *pairs):
-    """``sum a @ b`` over ``pairs`` of SMEM operands on the tensor cores, as an f32 value
-    (WGMMA layout; the accumulator starts at zero and is awaited)."""
+def _matmuls(*products):
+    """Each ``(shape, [(a, b), ...])`` in ``products`` as ``sum a @ b`` of SMEM operands on the
+    tensor cores, all issued before any is awaited; f32 values in the WGMMA layout."""
 
-    def run(acc_ref):
-        for a, b in pairs:
-            plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
+    def run(*acc_refs):
+        for acc_ref, (_, pairs) in zip(acc_refs, products):
+            for a, b in pairs:
+                plgpu.wgmma(acc_ref, a, b)
+        return [acc_ref[...] for acc_ref in acc_refs]
 
-    return pl.run_scoped(run, plgpu.ACC(shape, _F32))
+    return pl.run_scoped(run, *(plgpu.ACC(shape, _F32) for shape, _ in products))
 
 
 def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_ref, aqk_ref, *outs, summary: bool,
@@ -140,17 +141,22 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             # Read before the commit_smem below: that fence orders these reads before the TMA
             # writes the next chunk issues into this slot.
             d = plgpu.load(decay, layout=wgmma_layout.reduce(1))
-            v_new = (u if u_scale is None else u_scale * u) - _matmul((C, BV), (w, s_smem))
+            (ws,) = _matmuls(((C, BV), [(w, s_smem)]))
+            v_new = (u if u_scale is None else u_scale * u) - ws
             vn_smem[...] = v_new.astype(_BF16)
             plgpu.commit_smem()
+            # The state's product first: the outputs' two are off its dependency chain.
+            products = [((K, BV), [(kdT, vn_smem)])]
             if not summary:
                 qg, aqk = qa
-                o = _matmul((C, BV), (qg, s_smem), (aqk, vn_smem))
+                products.append(((C, BV), [(qg, s_smem), (aqk, vn_smem)]))
+            kv, *o = _matmuls(*products)
+            S = lax.broadcast_in_dim(d, (K, BV), [0]) * S + kv
+            if not summary:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_smem[...] = o.astype(o_smem.dtype)
+                o_smem[...] = o[0].astype(o_smem.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(c * C, C), h, cols])
-            S = lax.broadcast_in_dim(d, (K, BV), [0]) * S + _matmul((K, BV), (kdT, vn_smem))
             if not summary:
                 slot_ck = ck_ref[c]
 

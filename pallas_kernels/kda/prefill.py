@@ -162,8 +162,9 @@ def chunk_kda(
       recurrence: GPU: the recurrent stage's kernel, "triton" (the Pallas Triton lowering, the
         default) or "mosaic_gpu" (:mod:`pallas_kernels.kda.prefill_mgpu`: WGMMA products with bf16
         operands; needs bfloat16 intermediates, chunk 64, K in (64, 128), V a multiple of 64;
-        ``block_v``, ``num_warps``, ``num_stages``, ``summary_block_v`` and ``scan_precision``
-        are the Triton kernel's and do not apply).
+        ``block_v`` is then the state columns per warpgroup, 32 (the default: two warpgroups
+        per CTA) or 64, in both passes; ``num_warps``, ``num_stages``, ``summary_block_v`` and
+        ``scan_precision`` are the Triton kernel's and do not apply).
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -227,15 +228,17 @@ def chunk_kda(
                         interpret=interpret)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu",
                                           summary_paid=initial_state_fn is not None)
-        if block_v is None:
+        if recurrence == "mosaic_gpu":
+            # State columns per warpgroup, the same in the summary pass.
+            block_v = summary_block_v = block_v or prefill_mgpu.DEFAULT_BLOCK_V
+        elif block_v is None:
             block_v = 64 if P > 1 or gpu_programs(N, HV, V, 64) >= gpu_core_count() else 32
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
         scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
         if recurrence == "mosaic_gpu":
-            scan = lambda *a, block_v, **kw: prefill_mgpu.scan_call(*a, n_ck_slots=n_slots, interpret=bool(interpret),
-                                                                     **kw)
+            scan = partial(prefill_mgpu.scan_call, n_ck_slots=n_slots, interpret=bool(interpret))
         else:
             scan = partial(prefill_gpu.scan_call, n_ck_slots=n_slots, num_warps=num_warps, num_stages=num_stages,
                            precision=scan_precision, interpret=interpret)

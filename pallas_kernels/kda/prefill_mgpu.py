@@ -1,10 +1,13 @@
 """The prefill's recurrent stage in Mosaic GPU (``plgpu.kernel``): :func:`scan_call`, the contract
 of :func:`pallas_kernels.kda.prefill_gpu.scan_call` for bfloat16 intermediates.
 
-One warpgroup per program ``(virtual sequence, HV, V / 64)`` keeps ``f32[K, 64]`` of the state
-in registers (the WGMMA accumulator layout) and loops over its chunks. Per chunk, TMA brings
-W, qg, Aqk, kd^T, U and the decay into shared memory, double-buffered: chunk ``c + 1``'s copies
-are issued before chunk ``c``'s work. The state goes to shared memory as bfloat16 (the operand
+One CTA per ``(virtual sequence, HV, V / 64)`` loops over the sequence's chunks; each of its
+``64 / block_v`` warpgroups keeps ``f32[K, block_v]`` of the state in registers (the WGMMA
+accumulator layout). Per chunk, TMA brings W, qg, Aqk, kd^T and the decay into shared memory
+once for the CTA (its warpgroups share them) and each warpgroup's U columns, double-buffered:
+chunk ``c + 1``'s copies are issued before chunk ``c``'s work, and a slot is refilled only once
+every warpgroup has released it. Two warpgroups of 32 columns give each SM two independent
+dependency chains in the same shared memory as one of 64 (193 KB at K = 128). The state goes to shared memory as bfloat16 (the operand
 of ``W S`` and ``qg S``) and so does ``V_new = U - W S`` (of ``Aqk V_new`` and
 ``kd^T V_new``); the four products run on the tensor cores (WGMMA, bf16 operands, f32
 accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state stays float32.
@@ -23,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-BV = 64  # value columns per program: one 128-byte swizzled row of bf16 (the WGMMA operand tile)
+BV = 64  # value columns per CTA: one 128-byte swizzled row of bf16
+DEFAULT_BLOCK_V = 32  # state columns per warpgroup: two warpgroups per CTA (not yet timed against 64)
 
 
 def supported(K, V, C, store_dtype) -> bool:
@@ -32,9 +36,10 @@ def supported(K, V, C, store_dtype) -> bool:
     return jnp.dtype(store_dtype) == jnp.dtype(_BF16) and C == 64 and K in (64, 128) and V % BV == 0
 
 
-def _swizzled(dtype):
-    """SMEM transforms of a WGMMA operand: 8-row tiles of 128 bytes, 128-byte swizzle."""
-    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+def _swizzled(dtype, swizzle):
+    """SMEM transforms of a WGMMA operand: 8-row tiles of ``swizzle`` bytes, swizzled. The
+    operands of one product share one swizzle (the layout inference takes no mix)."""
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _matmuls(*products):
@@ -51,55 +56,78 @@ def _matmuls(*products):
 
 
 def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_ref, aqk_ref, *outs, summary: bool,
-            e_init: bool):
+            e_init: bool, wgs: int):
     s, h, j = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("j")
+    wg = lax.axis_index("wg") if wgs > 1 else 0
     HV, TT, K = w_ref.shape
     C = aqk_ref.shape[-1]
-    cols = pl.ds(j * BV, BV)
+    BW = BV // wgs  # this warpgroup's columns: [j * BV + wg * BW, + BW)
+    # Offsets as multiples of their tiles, for the layout inference of the TMA copies.
+    span = lambda start, size: pl.ds(pl.multiple_of(start, size), size)
+    rows_of = lambda c: span(c * C, C)
+    cols = span(j * BV + wg * BW, BW)
     lo, hi = bounds_ref[s, 0], bounds_ref[s, 1]
     wgmma_layout = plgpu.Layout.WGMMA
     if summary:
         (final_ref,) = outs
-        nK = K // BV
+        nK = K // BV  # the CTA's columns are all M (j < nK) or all E
         is_m = j < nK
-        ucols = pl.ds(jnp.maximum(j - nK, 0) * BV, BV)
+        ucols = span(jnp.maximum(j - nK, 0) * BV + wg * BW, BW)
         hi = jnp.where(jnp.where(is_m, ck_ref[s, 1], ck_ref[s, 2]) > 0, hi, lo)
         u_scale = jnp.where(is_m, 0.0, 1.0).astype(_F32)  # U = 0 in the M columns
     else:
         o_ref, final_ref, ckpt_ref = outs
         ucols = cols
         u_scale = None
-    # Per chunk: (source in GMEM, SMEM buffer shape, dtype, swizzled for WGMMA).
-    inputs = [
-        (lambda c: w_ref.at[h, pl.ds(c * C, C)], (C, K), _BF16, True),
+    # Per chunk, shared by the CTA's warpgroups: (source in GMEM, SMEM buffer shape, dtype,
+    # swizzled for WGMMA). Each warpgroup also copies its own U columns.
+    shared = [
+        (lambda c: w_ref.at[h, rows_of(c)], (C, K), _BF16, True),
         (lambda c: kdT_ref.at[h, c], (K, C), _BF16, True),
-        (lambda c: u_ref.at[h, pl.ds(c * C, C), ucols], (C, BV), _BF16, True),
         (lambda c: decay_ref.at[h, c], (K,), _F32, False),
     ]
     if not summary:
-        inputs += [
-            (lambda c: qg_ref.at[h, pl.ds(c * C, C)], (C, K), _BF16, True),
-            (lambda c: aqk_ref.at[h, pl.ds(c * C, C)], (C, C), _BF16, True),
+        shared += [
+            (lambda c: qg_ref.at[h, rows_of(c)], (C, K), _BF16, True),
+            (lambda c: aqk_ref.at[h, rows_of(c)], (C, C), _BF16, True),
         ]
-    smem = lambda shape, dtype, swizzle: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype) if swizzle else ())
+    # Every bf16 operand takes the swizzle of one row of the state's columns (128 bytes at 64).
+    swizzle = BW * jnp.dtype(_BF16).itemsize
+    smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(
+        shape, dtype, transforms=_swizzled(dtype, min(128, swizzle * jnp.dtype(dtype).itemsize // 2)) if swizzled else ())
     scratch = dict(
-        bufs=[smem((2, *shape), dtype, sw) for _, shape, dtype, sw in inputs],
-        ready=plgpu.Barrier(num_arrivals=len(inputs), num_barriers=2),
-        s_smem=smem((K, BV), _BF16, True),
-        vn_smem=smem((C, BV), _BF16, True),
-        st_smem=smem((K, BV), _F32, False),
-        st_ready=plgpu.Barrier(),
-        o_smem=None if summary else smem((C, BV), o_ref.dtype, True),
+        bufs=[smem((2, *shape), dtype, sw) for _, shape, dtype, sw in shared],
+        u_bufs=smem((2, wgs, C, BW), _BF16),
+        ready=plgpu.Barrier(num_arrivals=len(shared) + wgs, num_barriers=2),
+        consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
+        s_all=smem((wgs, K, BW), _BF16),
+        vn_all=smem((wgs, C, BW), _BF16),
+        st_all=smem((wgs, K, BW), _F32, False),
+        st_ready=plgpu.Barrier(num_barriers=wgs),
+        o_all=None if summary else smem((wgs, C, BW), o_ref.dtype),
     )
 
-    def body(bufs, ready, s_smem, vn_smem, st_smem, st_ready, o_smem):
+    def body(bufs, u_bufs, ready, consumed, s_all, vn_all, st_all, st_ready, o_all):
+        s_smem, vn_smem, st_smem = s_all.at[wg], vn_all.at[wg], st_all.at[wg]
+
         def issue(c, slot):
-            for (src, *_), buf in zip(inputs, bufs):
-                plgpu.copy_gmem_to_smem(src(c), buf.at[slot], ready.at[slot])
+            """Chunk c's inputs into ``slot``: the shared ones by warpgroup 0 once every warpgroup
+            has released the chunk that used the slot before, U by each warpgroup."""
+
+            @pl.when(wg == 0)
+            def _():
+                @pl.when(c - 2 >= lo)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                for (src, *_), buf in zip(shared, bufs):
+                    plgpu.copy_gmem_to_smem(src(c), buf.at[slot], ready.at[slot])
+
+            plgpu.copy_gmem_to_smem(u_ref.at[h, rows_of(c), ucols], u_bufs.at[slot, wg], ready.at[slot])
 
         def load_state(src):
-            plgpu.copy_gmem_to_smem(src, st_smem, st_ready)
-            plgpu.barrier_wait(st_ready)
+            plgpu.copy_gmem_to_smem(src, st_smem, st_ready.at[wg])
+            plgpu.barrier_wait(st_ready.at[wg])
             return plgpu.load(st_smem, layout=wgmma_layout)
 
         def store_state(S, dst):
@@ -109,10 +137,10 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             plgpu.copy_smem_to_gmem(st_smem, dst)
 
         if summary:
-            rows = plgpu.broadcasted_iota(jnp.int32, (K, BV), 0, layout=wgmma_layout)
-            cidx = plgpu.broadcasted_iota(jnp.int32, (K, BV), 1, layout=wgmma_layout)
+            rows = plgpu.broadcasted_iota(jnp.int32, (K, BW), 0, layout=wgmma_layout)
+            cidx = plgpu.broadcasted_iota(jnp.int32, (K, BW), 1, layout=wgmma_layout)
             # [I | 0]: the diagonal of the M columns (pushed past the tile in the E columns).
-            S0 = (rows == cidx + j * BV + jnp.where(is_m, 0, 2 * K)).astype(_F32)
+            S0 = (rows == cidx + j * BV + wg * BW + jnp.where(is_m, 0, 2 * K)).astype(_F32)
             if e_init:  # the E columns of a segment whose start is known begin at that state
                 src = ck_ref[s, 0]
                 start = load_state(init_ref.at[jnp.maximum(src, 0), h, :, ucols])
@@ -134,30 +162,31 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
                 issue(c + 1, 1 - slot)
 
             plgpu.barrier_wait(ready.at[slot])
-            w, kdT, u, decay, *qa = (buf.at[slot] for buf in bufs)
+            w, kdT, decay, *qa = (buf.at[slot] for buf in bufs)
             s_smem[...] = S.astype(_BF16)
-            plgpu.commit_smem()
-            u = plgpu.load(u, layout=wgmma_layout).astype(_F32)
-            # Read before the commit_smem below: that fence orders these reads before the TMA
-            # writes the next chunk issues into this slot.
+            u = plgpu.load(u_bufs.at[slot, wg], layout=wgmma_layout).astype(_F32)
             d = plgpu.load(decay, layout=wgmma_layout.reduce(1))
-            (ws,) = _matmuls(((C, BV), [(w, s_smem)]))
+            # The fence orders the store above before the tensor cores read it, and the reads of U
+            # before the TMA writes the next chunk issues into this slot.
+            plgpu.commit_smem()
+            (ws,) = _matmuls(((C, BW), [(w, s_smem)]))
             v_new = (u if u_scale is None else u_scale * u) - ws
             vn_smem[...] = v_new.astype(_BF16)
             plgpu.commit_smem()
             # The state's product first: the outputs' two are off its dependency chain.
-            products = [((K, BV), [(kdT, vn_smem)])]
+            products = [((K, BW), [(kdT, vn_smem)])]
             if not summary:
                 qg, aqk = qa
-                products.append(((C, BV), [(qg, s_smem), (aqk, vn_smem)]))
+                products.append(((C, BW), [(qg, s_smem), (aqk, vn_smem)]))
             kv, *o = _matmuls(*products)
-            S = lax.broadcast_in_dim(d, (K, BV), [0]) * S + kv
+            plgpu.barrier_arrive(consumed.at[slot])  # done with the slot's shared inputs
+            S = lax.broadcast_in_dim(d, (K, BW), [0]) * S + kv
             if not summary:
+                o_smem = o_all.at[wg]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 o_smem[...] = o[0].astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(c * C, C), h, cols])
-            if not summary:
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows_of(c), h, cols])
                 slot_ck = ck_ref[c]
 
                 @pl.when(slot_ck >= 0)
@@ -167,16 +196,25 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             return S
 
         S = lax.fori_loop(lo, hi, chunk, S0)
+
+        @pl.when(wg == 0)
+        def _():  # observe the last two chunks' releases as well: no barrier is left mid-phase
+            for back in (2, 1):
+                @pl.when(hi - back >= lo)
+                def _():
+                    plgpu.barrier_wait(consumed.at[lax.rem(hi - back - lo, 2)])
+
         store_state(S, final_ref.at[s, h, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(lambda *a: body(*a), *scratch.values())
+    pl.run_scoped(body, *scratch.values(), collective_axes="wg")
 
 
-def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None, interpret=False):
+def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None,
+              block_v=DEFAULT_BLOCK_V, interpret=False):
     """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.prefill_gpu.scan_call`
-    (the column block is fixed at 64; ``prep`` must hold bfloat16 intermediates, see
-    :func:`supported`). ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in
+    (``prep`` must hold bfloat16 intermediates, see :func:`supported`). ``block_v``: state columns
+    per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs). ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in
     the Mosaic GPU interpreter (on CPU)."""
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
@@ -187,6 +225,9 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
     if not supported(K, V, C, W.dtype):
         raise ValueError(f"the Mosaic GPU recurrence takes bf16 intermediates, C = 64, K in (64, 128) and V a "
                          f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
+    if block_v not in (32, 64):
+        raise ValueError(f"block_v must be 32 or 64 for the Mosaic GPU recurrence, got {block_v}")
+    wgs = BV // block_v
     Nv = vstart.shape[0]
     width = K + V if summary else V
     e_init = summary and init is not None
@@ -198,10 +239,12 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
                     jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32))
     bounds = jnp.stack([vstart, vend], axis=-1).astype(jnp.int32)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, summary=summary, e_init=e_init),
+        functools.partial(_kernel, summary=summary, e_init=e_init, wgs=wgs),
         out_type=out_type,
         grid=(Nv, HV, width // BV),
         grid_names=("s", "h", "j"),
+        num_threads=wgs,
+        thread_name="wg",
         interpret=interpret,
     )
     return kernel(bounds, ck_slot.astype(jnp.int32), kdT, W, U, decay.reshape(HV, NC, K), init.astype(_F32), qg, Aqk)

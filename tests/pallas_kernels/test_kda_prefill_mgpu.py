@@ -61,16 +61,18 @@ def _bf16(x):
     return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-def test_recurrence_matches_the_bf16_operand_replay():
+@pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
+def test_recurrence_matches_the_bf16_operand_replay(block_v):
     """Three virtual sequences (one chunk, none, three), initial states, checkpoints after chunks
     0 and 2: outputs, final states and checkpoints match the replay with bf16 operands, closer
-    than the float32-operand replay does (the rounding is the kernel's), with no race."""
+    than the float32-operand replay does (the rounding is the kernel's), with no race (two
+    warpgroups share a CTA's inputs, or one per CTA)."""
     prep = _prep(0)
     vstart, vend = np.array([0, 1, 1], np.int32), np.array([1, 1, 4], np.int32)
     ck_slot = np.array([0, -1, 1, -1], np.int32)
     init = random_state(0, (3, HV, K, V))
     got = prefill_mgpu.scan_call(prep, init, jnp.asarray(vstart), jnp.asarray(vend), jnp.asarray(ck_slot),
-                                 n_ck_slots=2, out_dtype=jnp.float32, interpret=INTERPRET)
+                                 n_ck_slots=2, out_dtype=jnp.float32, block_v=block_v, interpret=INTERPRET)
     assert not mgpu_interpreter.get_races().races_found
     want = _replay(prep, init, vstart, vend, ck_slot, 2, _bf16)
     f32 = _replay(prep, init, vstart, vend, ck_slot, 2, lambda x: x)
@@ -79,7 +81,8 @@ def test_recurrence_matches_the_bf16_operand_replay():
     np.testing.assert_array_equal(np.asarray(got[1][1]), np.asarray(init[1]))  # no chunks: the start
 
 
-def test_summary_mode_matches_the_triton_kernel():
+@pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
+def test_summary_mode_matches_the_triton_kernel(block_v):
     """Summary mode (``[M | E]`` columns): the whole maps of two segments, and a segment whose E
     columns start from a state with its M columns skipped (I returned): the Triton kernel's
     results (interpreted, float32 operands) within bf16 rounding; the skipped blocks exactly."""
@@ -88,7 +91,8 @@ def test_summary_mode_matches_the_triton_kernel():
     S0 = random_state(1, (2, HV, K, V))
     for table in ([[-1, 1, 1], [-1, 1, 1]], [[1, 0, 1], [-1, 0, 0]]):
         table = jnp.array(table, jnp.int32)
-        got = prefill_mgpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, interpret=INTERPRET)
+        got = prefill_mgpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=block_v,
+                                     interpret=INTERPRET)
         want = prefill_gpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=64,
                                      interpret=True)
         assert not mgpu_interpreter.get_races().races_found
@@ -136,6 +140,8 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="GPU backend"):
         prefill.chunk_kda(*x, backend="tpu", recurrence="mosaic_gpu")
     f32_prep = tuple(a.astype(jnp.float32) for a in _prep(2))
+    with pytest.raises(ValueError, match="block_v must be 32 or 64"):
+        run(recurrence="mosaic_gpu", block_v=128)
     with pytest.raises(ValueError, match="takes bf16 intermediates"):
         prefill_mgpu.scan_call(f32_prep, None, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
                                jnp.zeros(NC, jnp.int32), n_ck_slots=1)

@@ -160,22 +160,17 @@ def kda_commit_dense(state, k, v, g, beta, num_tokens, *, interpret=None, backen
 def kda_recurrent_dense(q, k, v, g, beta, *, initial_state, scale=None, interpret=None, backend=None):
     """Short pieces with the contract of :func:`k3jax.ops.kda.naive_recurrent_kda` (``q, k
     [B, T, H, K]`` ..., ``initial_state f32[B, HV, K, V]``; returns ``(o, final_state)``) on the
-    slot-pool kernels, row ``b`` being slot ``b``: T = 1 is one :func:`kda_decode` step; T > 1
-    is :func:`kda_verify` (outputs and deltas) and :func:`kda_commit` of all T positions from the
-    deltas (the state). Under
+    slot-pool kernels, row ``b`` being slot ``b``: the decode kernel over all T positions (one
+    call; the state read and written once, where :func:`kda_verify` + :func:`kda_commit` read
+    it twice). Under
     ``jax.vmap`` (the serving engine maps its per-sequence model over slots) the mapped axis
     folds into the kernels' rows, so one kernel call serves every slot (the model's
     ``Kernels.recurrent_kda``)."""
-    kw = dict(interpret=interpret, backend=backend)
-
     def run(q, k, v, g, beta, S):
-        B, T = k.shape[:2]
-        ids = np.arange(B, dtype=np.int32)
-        if T == 1:
-            o, S = kda_decode(S, ids, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], scale=scale, **kw)
-            return o[:, None], S
-        o, deltas = kda_verify(S, ids, q, k, v, g, beta, scale=scale, return_deltas=True, **kw)
-        return o, kda_commit(S, ids, k, v, g, beta, np.full(B, T, np.int32), deltas=deltas, **kw)
+        ids = np.arange(k.shape[0], dtype=np.int32)
+        _check(S, ids, q, k, v, g, beta, window=True)
+        o, _, _, S = _call(DECODE, S, ids, np.zeros_like(ids), q, k, v, g, beta, scale, interpret, backend)
+        return o, S
 
     batched = jax.custom_batching.custom_vmap(run)
 

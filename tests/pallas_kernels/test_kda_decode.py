@@ -288,7 +288,7 @@ def test_tpu_kernels_lower_for_tpu(mode):
     from pallas_kernels.kda import _window, decode_tpu
 
     m = getattr(_window, mode)
-    B, T, H, HV, K, V = 4, 1 if m is _window.DECODE else 4, 2, 4, 128, 128
+    B, T, H, HV, K, V = 4, 4, 2, 4, 128, 128  # DECODE too: the dense adapter's window of T
     spec = jax.ShapeDtypeStruct
     window = (spec((B, T, H, K), jnp.bfloat16), spec((B, T, HV, V), jnp.bfloat16),
               spec((B, T, HV, K), jnp.float32), spec((B, T, HV), jnp.bfloat16))
@@ -334,26 +334,25 @@ def test_commit_fused_into_next_verify(run):
     np.testing.assert_array_equal(np.asarray(fused_d)[[1, 2, 3]], before[[1, 2, 3]])
 
 
-def test_dense_adapters_match_the_references_and_fold_vmap(gpu_run):
-    """``kda_recurrent_dense`` (T = 1: the decode step; T = 5: verify + commit) and
+def test_dense_adapters_match_the_references_and_fold_vmap(run):
+    """``kda_recurrent_dense`` (T = 1 and 5: one decode-kernel call) and
     ``kda_commit_dense`` against the references; under ``jax.vmap`` of one-row calls (the
     engine's per-slot model) each is still one kernel call, with the same results; the
-    caller's state survives the kernels' donation. (Backend-agnostic code: the generic
-    interpreter suffices on CPU.)"""
+    caller's state survives the kernels' donation."""
     B, H, HV, K, V = 3, 1, 2, 16, 16
     h0 = random_state(1, (B, HV, K, V))
     one = lambda x: x[None]
     for T in (1, 5):
         x = kda_inputs(T, B, T, H, HV, K, V)
-        o, s = kda.kda_recurrent_dense(*x, initial_state=h0, **gpu_run)
+        o, s = kda.kda_recurrent_dense(*x, initial_state=h0, **run)
         o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
         assert_close(o, o_r, "f32_out")
         assert_close(s, s_r, "f32_state")
-        rows = lambda *a: kda.kda_recurrent_dense(*map(one, a[:5]), initial_state=one(a[5]), **gpu_run)
-        assert str(jax.make_jaxpr(jax.vmap(rows))(*x, h0)).count("pallas_call") == (1 if T == 1 else 2)
+        rows = lambda *a: kda.kda_recurrent_dense(*map(one, a[:5]), initial_state=one(a[5]), **run)
+        assert str(jax.make_jaxpr(jax.vmap(rows))(*x, h0)).count("pallas_call") == 1
         o2, s2 = jax.jit(jax.vmap(rows))(*x, h0)
         assert_close(o2[:, 0], o_r, "f32_out")
         assert_close(s2[:, 0], s_r, "f32_state")
     n = jnp.array([0, 2, 5], jnp.int32)
-    assert_close(kda.kda_commit_dense(h0, *x[1:], n, **gpu_run), ref.kda_commit(h0, *x[1:], n), "f32_state")
+    assert_close(kda.kda_commit_dense(h0, *x[1:], n, **run), ref.kda_commit(h0, *x[1:], n), "f32_state")
     assert np.isfinite(np.asarray(h0)).all()  # not deleted by donation

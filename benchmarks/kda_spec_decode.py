@@ -149,9 +149,12 @@ def main():
     ap.add_argument("--tune", action="store_true",
                     help="sweep the GPU window kernels' block_v / num_warps (device time) at --heads x "
                          "--batches and exit")
+    ap.add_argument("--tune-configs", default="32:2,64:8,128:8",
+                    help="--tune's block_v:num_warps list (128:4 takes minutes to compile; 4 warps at 32 / 64 "
+                         "and 16 warps lost on the H200)")
     a = ap.parse_args()
     if a.tune:
-        return tune(a.heads, a.batches)
+        return tune(a.heads, a.batches, [tuple(map(int, c.split(":"))) for c in a.tune_configs.split(",")])
     dev = jax.devices()[0].device_kind
     rows = []
     for H in [] if a.skip_spec else map(int, a.heads.split(",")):
@@ -225,14 +228,15 @@ def main():
               f"{r.get('fla_b2b_us', nan):>8.1f} {r.get('fla_over_ours_b2b', nan):>8.2f} {100 * r['ours_b2b_frac_bw']:>8.1f}")
 
 
-def tune(heads, batches, T=8):
+def tune(heads, batches, configs, T=8):
     """Device time of each GPU window kernel (commit, verify, fused commit + verify, verify with
-    snapshots, loading each position's inputs in place or one ahead) per (block_v, num_warps),
-    T = 8, half the window accepted."""
+    snapshots, loading each position's inputs in place or one ahead; the verify returning deltas,
+    the commit and the fused commit + verify from them) per ``(block_v, num_warps)`` in
+    ``configs``, T = 8, half the window accepted."""
     from pallas_kernels.kda import decode_gpu
-    from pallas_kernels.kda._window import COMMIT, COMMIT_VERIFY, VERIFY, VERIFY_SNAPSHOT
+    from pallas_kernels.kda._window import (COMMIT, COMMIT_DELTAS, COMMIT_VERIFY, COMMIT_VERIFY_DELTAS, VERIFY,
+                                            VERIFY_DELTAS, VERIFY_SNAPSHOT)
 
-    configs = [(32, 2), (64, 8), (128, 8)]  # 128:4 takes minutes to compile; 4 warps at 32 / 64, 16 warps lose
     for H, B in itertools.product(map(int, heads.split(",")), map(int, batches.split(","))):
         q, k, v, g, beta = window_inputs(1, B, T, H)
         slots = jnp.asarray(np.random.default_rng(0).permutation(2 * B)[:B].astype(np.int32))
@@ -244,16 +248,29 @@ def tune(heads, batches, T=8):
                 p, s, n, q, k, v, g, b, mode=mode, prev=prev, prefetch=prefetch, **opts)
             commit = jax.jit(lambda p, *a: (call(COMMIT, p, *a)[3],), donate_argnums=(0,))
             fused = jax.jit(lambda p, *a: (call(COMMIT_VERIFY, p, *a, prev=a[3:])[3],), donate_argnums=(0,))
+            o, deltas = call(VERIFY_DELTAS, pool, slots, n, q, k, v, g, beta)[:2]
+            err = rel_rms(o, ref.kda_verify(pool[slots], q, k, v, g, beta))
+            if err > 1e-3:  # a tiling is timed only once its outputs match the reference
+                print(f"H={H} B={B} block_v={bv:>3} num_warps={nw:>2}  MISMATCH (error {err:.1e}): not timed")
+                continue
+            commit_d = jax.jit(lambda p, s, n, k, u, g: (call(COMMIT_DELTAS, p, s, n, None, k, u, g, None)[3],),
+                               donate_argnums=(0,))
+            fused_d = jax.jit(lambda p, s, n, q, k, v, g, b, u: (
+                call(COMMIT_VERIFY_DELTAS, p, s, n, q, k, v, g, b, prev=(k, u, g))[3],), donate_argnums=(0,))
             t = {}
             t["commit"], pool = device_per_step(commit, pool, (slots, n, None, k, v, g, beta))
             t["fused"], pool = device_per_step(fused, pool, (slots, n, q, k, v, g, beta))
-            for name, mode, prefetch in (("verify", VERIFY, False), ("snapshot verify", VERIFY_SNAPSHOT, False),
+            t["commit from deltas"], pool = device_per_step(commit_d, pool, (slots, n, k, deltas, g))
+            t["fused from deltas"], pool = device_per_step(fused_d, pool, (slots, n, q, k, v, g, beta, deltas))
+            for name, mode, prefetch in (("verify", VERIFY, False), ("verify + deltas", VERIFY_DELTAS, None),
+                                         ("snapshot verify", VERIFY_SNAPSHOT, False),
                                          ("prefetching", VERIFY_SNAPSHOT, True)):
                 f = jax.jit(lambda p, *a: call(mode, p, *a, prefetch=prefetch)[:2])
                 t[name] = device_seconds(lambda: f(pool, slots, n, q, k, v, g, beta))
             print(f"H={H} B={B} block_v={bv:>3} num_warps={nw:>2}  "
                   + "  ".join(f"{name} {s * 1e6:7.0f} us" for name, s in t.items())
-                  + f"  verify + commit {(t['verify'] + t['commit']) * 1e6:7.0f} us", flush=True)
+                  + f"  verify + commit {(t['verify'] + t['commit']) * 1e6:7.0f} us"
+                  + f"  replay from deltas {(t['verify + deltas'] + t['commit from deltas']) * 1e6:7.0f} us", flush=True)
 
 
 def decode_vs_fla(heads, batches, repeats):

@@ -9,6 +9,7 @@ This is a proxy for issue-bound kernels, not a timing: speed is claimed only fro
 
     python -m benchmarks.ptx_count prefill            # kernels A, B, the scan and the outputs
     python -m benchmarks.ptx_count verify --lines     # plus instructions per source line
+    python -m benchmarks.ptx_count verify_deltas --tiling 16:1   # block_v 16 on one warp
 """
 
 from __future__ import annotations
@@ -142,20 +143,32 @@ def _prefill_case(B=1, T=1024, H=2, K=128, V=128, num_segments=1):
     return functools.partial(prefill.chunk_kda, backend="gpu", interpret=False, num_segments=num_segments), args
 
 
-def _window_case(mode, T, B=4, H=2, K=128, V=128):
+def _window_case(mode, T, B=4, H=2, K=128, V=128, **tiling):
+    """A window kernel at serving sizes; a mode that replays given deltas takes them (f32) for
+    ``v`` (commit) or as the previous window (fused commit + verify)."""
     spec = jax.ShapeDtypeStruct
-    args = (spec((2 * B, H, K, V), jnp.float32), spec((B,), jnp.int32), spec((B,), jnp.int32),
-            spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, V), jnp.bfloat16),
-            spec((B, T, H, K), jnp.float32), spec((B, T, H), jnp.bfloat16))
-    return functools.partial(decode_gpu.window_call, mode=mode, scale=K**-0.5), args
+    x, u = spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, V), jnp.float32)
+    args = (spec((2 * B, H, K, V), jnp.float32), spec((B,), jnp.int32), spec((B,), jnp.int32), x, x,
+            spec((B, T, H, V), jnp.bfloat16), spec((B, T, H, K), jnp.float32), spec((B, T, H), jnp.bfloat16), u)
+
+    def call(pool, ids, n, q, k, v, g, beta, deltas):
+        if mode.replay_only:
+            q, v, beta = None, deltas if mode.deltas_in else v, None if mode.deltas_in else beta
+        prev = ((k, deltas, g) if mode.deltas_in else (k, v, g, beta)) if mode.replay_first else None
+        return decode_gpu.window_call(pool, ids, n, q, k, v, g, beta, mode=mode, scale=K**-0.5, prev=prev, **tiling)
+
+    return call, args
 
 
 CASES = {
     "prefill": _prefill_case,
     "prefill_segments": lambda: _prefill_case(num_segments=3),  # + the summary pass, recurrence at block_v 64
-    "verify": lambda: _window_case(_window.VERIFY, 8),
-    "commit": lambda: _window_case(_window.COMMIT, 8),
-    "decode": lambda: _window_case(_window.DECODE, 1),
+    "verify": lambda **t: _window_case(_window.VERIFY, 8, **t),
+    "verify_deltas": lambda **t: _window_case(_window.VERIFY_DELTAS, 8, **t),
+    "commit": lambda **t: _window_case(_window.COMMIT, 8, **t),
+    "commit_deltas": lambda **t: _window_case(_window.COMMIT_DELTAS, 8, **t),
+    "fused_deltas": lambda **t: _window_case(_window.COMMIT_VERIFY_DELTAS, 8, **t),
+    "decode": lambda **t: _window_case(_window.DECODE, 1, **t),
 }
 
 
@@ -163,8 +176,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("case", choices=sorted(CASES))
     ap.add_argument("--lines", action="store_true", help="also print the source lines with the most instructions")
+    ap.add_argument("--tiling", default=None, help="window kernels: block_v:num_warps (default: the kernels' rules)")
     a = ap.parse_args()
-    fn, args = CASES[a.case]()
+    tiling = {}
+    if a.tiling:
+        if a.case.startswith("prefill"):
+            ap.error("--tiling is for the window kernels")
+        bv, nw = map(int, a.tiling.split(":"))
+        tiling = dict(block_v=bv, num_warps=nw, prefetch=False)
+    fn, args = CASES[a.case](**tiling)
     for name, warps, stages, module in capture_triton_modules(fn, *args):
         r = compile_ptx(module, warps, stages)
         print(f"{name}: {r['instructions']} PTX instructions per thread, {r['registers']} registers, "

@@ -195,6 +195,8 @@ def chunk_kda(
         raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
                          f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
                          f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")
+    if recurrence == "mosaic_gpu" and block_v not in (None, 32, 64):
+        raise ValueError(f"block_v must be 32 or 64 for the Mosaic GPU recurrence, got {block_v}")
     if num_segments is not None and num_segments < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
     interpret = _interpret(interpret, kind)

@@ -7,10 +7,11 @@ accumulator layout). Per chunk, TMA brings W, qg, Aqk, kd^T and the decay into s
 once for the CTA (its warpgroups share them) and each warpgroup's U columns, double-buffered:
 chunk ``c + 1``'s copies are issued before chunk ``c``'s work, and a slot is refilled only once
 every warpgroup has released it. Two warpgroups of 32 columns give each SM two independent
-dependency chains in the same shared memory as one of 64 (193 KB at K = 128). The state goes to shared memory as bfloat16 (the operand
-of ``W S`` and ``qg S``) and so does ``V_new = U - W S`` (of ``Aqk V_new`` and
-``kd^T V_new``); the four products run on the tensor cores (WGMMA, bf16 operands, f32
-accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state stays float32.
+dependency chains in the same shared memory as one of 64 (193 KB at K = 128). The state goes to
+shared memory as bfloat16 (the operand of ``W S`` and ``qg S``) and so does ``V_new = U - W S``
+(of ``Aqk V_new`` and ``kd^T V_new``); the four products run on the tensor cores (WGMMA, bf16
+operands, f32 accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state
+stays float32.
 The outputs leave through shared memory by TMA; checkpoints and final states likewise.
 ``summary=True`` runs the ``[M | E]`` columns as the Triton kernel does (README.md).
 """
@@ -32,7 +33,7 @@ DEFAULT_BLOCK_V = 32  # state columns per warpgroup: two warpgroups per CTA (not
 
 def supported(K, V, C, store_dtype) -> bool:
     """Whether :func:`scan_call` takes these sizes: bf16 intermediates, C = 64 (one WGMMA row
-    block), K in {64, 128} (the state and one accumulator fit the registers), V a multiple of 64."""
+    block), K in {64, 128} (the shared memory of two input slots), V a multiple of 64."""
     return jnp.dtype(store_dtype) == jnp.dtype(_BF16) and C == 64 and K in (64, 128) and V % BV == 0
 
 
@@ -91,10 +92,10 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             (lambda c: qg_ref.at[h, rows_of(c)], (C, K), _BF16, True),
             (lambda c: aqk_ref.at[h, rows_of(c)], (C, C), _BF16, True),
         ]
-    # Every bf16 operand takes the swizzle of one row of the state's columns (128 bytes at 64).
-    swizzle = BW * jnp.dtype(_BF16).itemsize
+    # Swizzled buffers take the swizzle of a row of the warpgroup's columns in their dtype: every
+    # bf16 operand the same (64 bytes at 32 columns, 128 at 64).
     smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(
-        shape, dtype, transforms=_swizzled(dtype, min(128, swizzle * jnp.dtype(dtype).itemsize // 2)) if swizzled else ())
+        shape, dtype, transforms=_swizzled(dtype, min(128, BW * jnp.dtype(dtype).itemsize)) if swizzled else ())
     scratch = dict(
         bufs=[smem((2, *shape), dtype, sw) for _, shape, dtype, sw in shared],
         u_bufs=smem((2, wgs, C, BW), _BF16),

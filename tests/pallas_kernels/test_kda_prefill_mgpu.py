@@ -3,7 +3,7 @@
 CPU: the kernel in the Mosaic GPU interpreter (race detection on, uninitialised shared memory
 NaN) against a NumPy replay of the same recurrence with bf16 operands, and through
 ``chunk_kda(recurrence="mosaic_gpu")`` against the k3jax references; the lowering is checked
-with ``jax.export`` for an abstract H200. ``-m gpu`` on a GPU runs the compiled kernel.
+with ``jax.export`` for an abstract H200. ``-m gpu`` on a GPU runs the same checks compiled.
 """
 
 from __future__ import annotations
@@ -20,11 +20,24 @@ from jax.sharding import AbstractDevice
 
 from k3jax.ops import kda as ref
 from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu
-from tests.helpers import assert_close, kda_inputs, random_state, rel_rms
+from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
 from tests.pallas_kernels.test_kda_prefill import _export
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 HV, K, V, C, NC = 2, 64, 128, 64, 4  # two value column blocks per head
+
+
+@pytest.fixture(params=[pytest.param(INTERPRET, id="interpret"),
+                        pytest.param(False, id="compiled", marks=pytest.mark.gpu)])
+def interpret(request):
+    """The kernel in the Mosaic GPU interpreter, and compiled (``-m gpu``; skipped on CPU)."""
+    skip_compiled_on_cpu({"interpret": request.param})
+    return request.param
+
+
+def _no_race(interpret):
+    """The interpreter found no race in the kernel it ran last (its state is per kernel call)."""
+    assert not (interpret and mgpu_interpreter.get_races().races_found)
 
 
 def _prep(seed):
@@ -62,7 +75,7 @@ def _bf16(x):
 
 
 @pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
-def test_recurrence_matches_the_bf16_operand_replay(block_v):
+def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
     """Three virtual sequences (one chunk, none, three), initial states, checkpoints after chunks
     0 and 2: outputs, final states and checkpoints match the replay with bf16 operands, closer
     than the float32-operand replay does (the rounding is the kernel's), with no race (two
@@ -72,8 +85,8 @@ def test_recurrence_matches_the_bf16_operand_replay(block_v):
     ck_slot = np.array([0, -1, 1, -1], np.int32)
     init = random_state(0, (3, HV, K, V))
     got = prefill_mgpu.scan_call(prep, init, jnp.asarray(vstart), jnp.asarray(vend), jnp.asarray(ck_slot),
-                                 n_ck_slots=2, out_dtype=jnp.float32, block_v=block_v, interpret=INTERPRET)
-    assert not mgpu_interpreter.get_races().races_found
+                                 n_ck_slots=2, out_dtype=jnp.float32, block_v=block_v, interpret=interpret)
+    _no_race(interpret)
     want = _replay(prep, init, vstart, vend, ck_slot, 2, _bf16)
     f32 = _replay(prep, init, vstart, vend, ck_slot, 2, lambda x: x)
     for x, w, w32 in zip(got, want, f32):
@@ -82,20 +95,21 @@ def test_recurrence_matches_the_bf16_operand_replay(block_v):
 
 
 @pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
-def test_summary_mode_matches_the_triton_kernel(block_v):
-    """Summary mode (``[M | E]`` columns): the whole maps of two segments, and a segment whose E
-    columns start from a state with its M columns skipped (I returned): the Triton kernel's
-    results (interpreted, float32 operands) within bf16 rounding; the skipped blocks exactly."""
+def test_summary_mode_matches_the_triton_kernel(block_v, interpret):
+    """Summary mode (``[M | E]`` columns): the whole maps of two segments (1 and 3 chunks), and a
+    segment whose E columns start from a state with its M columns skipped (I returned): the
+    Triton kernel's results (interpreted, float32 operands) within bf16 rounding; the skipped
+    blocks exactly."""
     prep = _prep(1)
-    vstart, vend = jnp.array([0, 2], jnp.int32), jnp.array([2, 4], jnp.int32)
+    vstart, vend = jnp.array([0, 1], jnp.int32), jnp.array([1, 4], jnp.int32)  # 3 chunks: slots refilled
     S0 = random_state(1, (2, HV, K, V))
     for table in ([[-1, 1, 1], [-1, 1, 1]], [[1, 0, 1], [-1, 0, 0]]):
         table = jnp.array(table, jnp.int32)
         got = prefill_mgpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=block_v,
-                                     interpret=INTERPRET)
+                                     interpret=interpret)
+        _no_race(interpret)
         want = prefill_gpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=64,
                                      interpret=True)
-        assert not mgpu_interpreter.get_races().races_found
         assert_close(got, want, "bf16")
     eye = np.broadcast_to(np.eye(K), (HV, K, K))
     np.testing.assert_array_equal(np.asarray(got[:, :, :, :K]), np.stack([eye, eye]))

@@ -134,3 +134,20 @@ def write_json(rows, name: str):
 def rel_rms(x, ref) -> float:
     x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
     return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
+def window_step(mode, **tiling):
+    """:func:`pallas_kernels.kda.decode_gpu.window_call` in ``mode`` on one argument list for every
+    mode, ``(pool, slot_ids, num_accepted, q, k, v, g, beta, deltas)``: a replay-only mode drops q
+    (and with ``deltas_in`` replays ``deltas`` in place of v and beta); a fused mode first replays
+    the same window (from ``deltas`` with ``deltas_in``). ``tiling``: block_v, num_warps, prefetch."""
+    from pallas_kernels.kda import decode_gpu
+
+    def call(pool, ids, n, q, k, v, g, beta, deltas):
+        prev = ((k, deltas, g) if mode.deltas_in else (k, v, g, beta)) if mode.replay_first else None
+        if mode.replay_only:
+            q, v, beta = (None, deltas, None) if mode.deltas_in else (None, v, beta)
+        return decode_gpu.window_call(pool, ids, n, q, k, v, g, beta, mode=mode, scale=k.shape[-1] ** -0.5,
+                                      prev=prev, **tiling)
+
+    return call

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (HBM_BYTES_PER_S, device_seconds, rel_rms, time_back_to_back_calls, time_torch, to_torch,
-                               write_json)
+                               window_step, write_json)
 from k3jax.ops import kda as ref
 from k3jax.ops.kda import kda_gate, l2norm
 from pallas_kernels import kda
@@ -233,7 +233,6 @@ def tune(heads, batches, configs, T=8):
     snapshots, loading each position's inputs in place or one ahead; the verify returning deltas,
     the commit and the fused commit + verify from them) per ``(block_v, num_warps)`` in
     ``configs``, T = 8, half the window accepted."""
-    from pallas_kernels.kda import decode_gpu
     from pallas_kernels.kda._window import (COMMIT, COMMIT_DELTAS, COMMIT_VERIFY, COMMIT_VERIFY_DELTAS, VERIFY,
                                             VERIFY_DELTAS, VERIFY_SNAPSHOT)
 
@@ -243,30 +242,23 @@ def tune(heads, batches, configs, T=8):
         n = jnp.full((B,), T // 2, jnp.int32)
         pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
         for bv, nw in configs:
-            opts = dict(scale=K**-0.5, block_v=bv, num_warps=nw)
-            call = lambda mode, p, s, n, q, k, v, g, b, prev=None, prefetch=None: decode_gpu.window_call(
-                p, s, n, q, k, v, g, b, mode=mode, prev=prev, prefetch=prefetch, **opts)
-            commit = jax.jit(lambda p, *a: (call(COMMIT, p, *a)[3],), donate_argnums=(0,))
-            fused = jax.jit(lambda p, *a: (call(COMMIT_VERIFY, p, *a, prev=a[3:])[3],), donate_argnums=(0,))
-            o, deltas = call(VERIFY_DELTAS, pool, slots, n, q, k, v, g, beta)[:2]
+            step = lambda mode, prefetch=None: window_step(mode, block_v=bv, num_warps=nw, prefetch=prefetch)
+            o, deltas = step(VERIFY_DELTAS)(pool, slots, n, q, k, v, g, beta, None)[:2]
             err = rel_rms(o, ref.kda_verify(pool[slots], q, k, v, g, beta))
             if err > 1e-3:  # a tiling is timed only once its outputs match the reference
                 print(f"H={H} B={B} block_v={bv:>3} num_warps={nw:>2}  MISMATCH (error {err:.1e}): not timed")
                 continue
-            commit_d = jax.jit(lambda p, s, n, k, u, g: (call(COMMIT_DELTAS, p, s, n, None, k, u, g, None)[3],),
-                               donate_argnums=(0,))
-            fused_d = jax.jit(lambda p, s, n, q, k, v, g, b, u: (
-                call(COMMIT_VERIFY_DELTAS, p, s, n, q, k, v, g, b, prev=(k, u, g))[3],), donate_argnums=(0,))
+            x = (slots, n, q, k, v, g, beta, deltas)
             t = {}
-            t["commit"], pool = device_per_step(commit, pool, (slots, n, None, k, v, g, beta))
-            t["fused"], pool = device_per_step(fused, pool, (slots, n, q, k, v, g, beta))
-            t["commit from deltas"], pool = device_per_step(commit_d, pool, (slots, n, k, deltas, g))
-            t["fused from deltas"], pool = device_per_step(fused_d, pool, (slots, n, q, k, v, g, beta, deltas))
+            for name, mode in (("commit", COMMIT), ("fused", COMMIT_VERIFY), ("commit from deltas", COMMIT_DELTAS),
+                               ("fused from deltas", COMMIT_VERIFY_DELTAS)):
+                writes = jax.jit(lambda p, *a, f=step(mode): (f(p, *a)[3],), donate_argnums=(0,))
+                t[name], pool = device_per_step(writes, pool, x)
             for name, mode, prefetch in (("verify", VERIFY, False), ("verify + deltas", VERIFY_DELTAS, None),
                                          ("snapshot verify", VERIFY_SNAPSHOT, False),
                                          ("prefetching", VERIFY_SNAPSHOT, True)):
-                f = jax.jit(lambda p, *a: call(mode, p, *a, prefetch=prefetch)[:2])
-                t[name] = device_seconds(lambda: f(pool, slots, n, q, k, v, g, beta))
+                f = jax.jit(lambda p, *a, f=step(mode, prefetch): f(p, *a)[:2])
+                t[name] = device_seconds(lambda: f(pool, *x))
             print(f"H={H} B={B} block_v={bv:>3} num_warps={nw:>2}  "
                   + "  ".join(f"{name} {s * 1e6:7.0f} us" for name, s in t.items())
                   + f"  verify + commit {(t['verify'] + t['commit']) * 1e6:7.0f} us"

@@ -28,7 +28,8 @@ from jax import export
 from jax._src.pallas.triton import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from pallas_kernels.kda import _window, decode_gpu, prefill
+from benchmarks.common import window_step
+from pallas_kernels.kda import _window, prefill
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 _TRITON = "__gpu$xla.gpu.triton"
@@ -150,14 +151,7 @@ def _window_case(mode, T, B=4, H=2, K=128, V=128, **tiling):
     x, u = spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, V), jnp.float32)
     args = (spec((2 * B, H, K, V), jnp.float32), spec((B,), jnp.int32), spec((B,), jnp.int32), x, x,
             spec((B, T, H, V), jnp.bfloat16), spec((B, T, H, K), jnp.float32), spec((B, T, H), jnp.bfloat16), u)
-
-    def call(pool, ids, n, q, k, v, g, beta, deltas):
-        if mode.replay_only:
-            q, v, beta = None, deltas if mode.deltas_in else v, None if mode.deltas_in else beta
-        prev = ((k, deltas, g) if mode.deltas_in else (k, v, g, beta)) if mode.replay_first else None
-        return decode_gpu.window_call(pool, ids, n, q, k, v, g, beta, mode=mode, scale=K**-0.5, prev=prev, **tiling)
-
-    return call, args
+    return window_step(mode, **tiling), args
 
 
 CASES = {

@@ -195,8 +195,8 @@ def chunk_kda(
         raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
                          f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
                          f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")
-    if recurrence == "mosaic_gpu" and block_v not in (None, 32, 64):
-        raise ValueError(f"block_v must be 32 or 64 for the Mosaic GPU recurrence, got {block_v}")
+    if recurrence == "mosaic_gpu" and block_v is not None:
+        prefill_mgpu.check_block_v(block_v)  # before stage 1 runs
     if num_segments is not None and num_segments < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
     interpret = _interpret(interpret, kind)
@@ -233,17 +233,16 @@ def chunk_kda(
         if recurrence == "mosaic_gpu":
             # State columns per warpgroup, the same in the summary pass.
             block_v = summary_block_v = block_v or prefill_mgpu.DEFAULT_BLOCK_V
-        elif block_v is None:
-            block_v = 64 if P > 1 or gpu_programs(N, HV, V, 64) >= gpu_core_count() else 32
+            scan = partial(prefill_mgpu.scan_call, n_ck_slots=n_slots, interpret=bool(interpret))
+        else:
+            if block_v is None:
+                block_v = 64 if P > 1 or gpu_programs(N, HV, V, 64) >= gpu_core_count() else 32
+            scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
+            scan = partial(prefill_gpu.scan_call, n_ck_slots=n_slots, num_warps=num_warps, num_stages=num_stages,
+                           precision=scan_precision, interpret=interpret)
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
-        scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
-        if recurrence == "mosaic_gpu":
-            scan = partial(prefill_mgpu.scan_call, n_ck_slots=n_slots, interpret=bool(interpret))
-        else:
-            scan = partial(prefill_gpu.scan_call, n_ck_slots=n_slots, num_warps=num_warps, num_stages=num_stages,
-                           precision=scan_precision, interpret=interpret)
         ck_slot = jnp.where(ci >= 0, seq * n_ck + ci, -1)
         starts = init
         if P > 1 or initial_state_fn is not None:

@@ -37,6 +37,12 @@ def supported(K, V, C, store_dtype) -> bool:
     return jnp.dtype(store_dtype) == jnp.dtype(_BF16) and C == 64 and K in (64, 128) and V % BV == 0
 
 
+def check_block_v(block_v):
+    """State columns per warpgroup: 32 (two warpgroups per CTA) or 64 (one)."""
+    if block_v not in (32, 64):
+        raise ValueError(f"block_v must be 32 or 64 for the Mosaic GPU recurrence, got {block_v}")
+
+
 def _swizzled(dtype, swizzle):
     """SMEM transforms of a WGMMA operand: 8-row tiles of ``swizzle`` bytes, swizzled. The
     operands of one product share one swizzle (the layout inference takes no mix)."""
@@ -215,8 +221,9 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
               block_v=DEFAULT_BLOCK_V, interpret=False):
     """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.prefill_gpu.scan_call`
     (``prep`` must hold bfloat16 intermediates, see :func:`supported`). ``block_v``: state columns
-    per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs). ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in
-    the Mosaic GPU interpreter (on CPU)."""
+    per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs).
+    ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in the Mosaic GPU
+    interpreter (on CPU)."""
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     qg, kdT, W, U, Aqk, decay = prep
@@ -226,8 +233,7 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
     if not supported(K, V, C, W.dtype):
         raise ValueError(f"the Mosaic GPU recurrence takes bf16 intermediates, C = 64, K in (64, 128) and V a "
                          f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
-    if block_v not in (32, 64):
-        raise ValueError(f"block_v must be 32 or 64 for the Mosaic GPU recurrence, got {block_v}")
+    check_block_v(block_v)
     wgs = BV // block_v
     Nv = vstart.shape[0]
     width = K + V if summary else V

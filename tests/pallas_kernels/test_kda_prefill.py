@@ -27,6 +27,7 @@ TPU_INTERPRET = pltpu.InterpretParams(
     detect_races=True, num_cores_or_threads=2, random_seed=3, uninitialized_memory="nan"
 )
 run = kernel_backends("tpu", TPU_INTERPRET)
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")  # for jax.export to CUDA
 
 
 def _kinds(dtype):
@@ -272,8 +273,7 @@ def test_kernels_lower_for_tpu_and_gpu():
     segment summary pass and both stage-1 kernels) at serving shapes: bf16, K = V = 128, GVA."""
     assert _export("tpu", "tpu", AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")).count(
         "tpu_custom_call") >= 2
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    assert _export("gpu", "cuda", h200).count("xla.gpu.triton") >= 5
+    assert _export("gpu", "cuda", H200).count("xla.gpu.triton") >= 5
     fast = dict(intermediate_dtype=jnp.bfloat16, gate_lower_bound=-5.0)  # the opt-in variants
-    assert _export("gpu", "cuda", h200, **fast).count("xla.gpu.triton") >= 5
+    assert _export("gpu", "cuda", H200, **fast).count("xla.gpu.triton") >= 5
 

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpreter
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.sharding import AbstractDevice
 
 from k3jax.ops import kda as ref
 from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu
 from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
-from tests.pallas_kernels.test_kda_prefill import _export
+from tests.pallas_kernels.test_kda_prefill import H200, _export
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 HV, K, V, C, NC = 2, 64, 128, 64, 4  # two value column blocks per head
@@ -136,8 +135,7 @@ def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
 def test_the_mosaic_recurrence_lowers_for_the_h200():
     """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
     kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments)."""
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    module = _export("gpu", "cuda", h200, recurrence="mosaic_gpu")
+    module = _export("gpu", "cuda", H200, recurrence="mosaic_gpu")
     assert module.count("mosaic_gpu_v2") == 2 and module.count("xla.gpu.triton") == 4
 
 

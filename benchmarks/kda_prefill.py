@@ -57,9 +57,9 @@ def main():
                     help="comma list: auto (the default), f32 and/or bf16 (what the stages pass through memory)")
     ap.add_argument("--k3-gates", action="store_true", help="K3 gates (lower bound -5) instead of Kimi Linear ones")
     ap.add_argument("--diag", default="exact", help="comma list: exact and/or bounded (gate_lower_bound=-5; needs --k3-gates)")
-    ap.add_argument("--recurrence", default="triton",
-                    help="comma list: triton and/or mosaic_gpu (the recurrent stage's kernel; mosaic_gpu needs bf16 "
-                         "intermediates)")
+    ap.add_argument("--recurrence", default="auto",
+                    help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (the recurrent stage's kernel; "
+                         "mosaic_gpu needs bf16 intermediates)")
     a = ap.parse_args()
     if "bounded" in a.diag and not a.k3_gates:
         ap.error("--diag bounded needs --k3-gates")
@@ -105,7 +105,8 @@ def main():
                 t_prep[key] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)
             ours = jax.jit(partial(prefill.chunk_kda, num_segments=P, prep_precision=PREP_PRECISIONS[pp],
                                    intermediate_dtype=INTERMEDIATES[im],
-                                   gate_lower_bound=bound if dg == "bounded" else None, recurrence=rc, **cfg))
+                                   gate_lower_bound=bound if dg == "bounded" else None,
+                                   recurrence=None if rc == "auto" else rc, **cfg))
             o, S = ours(*xs[0])
             err_o, err_s = rel_rms(o.astype(jnp.float32), o_f), rel_rms(S, S_f)
             row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned, **cfg, "prep": pp,

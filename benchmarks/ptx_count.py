@@ -141,7 +141,8 @@ def _prefill_case(B=1, T=1024, H=2, K=128, V=128, num_segments=1):
     spec = jax.ShapeDtypeStruct
     args = (spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, V), jnp.bfloat16),
             spec((B, T, H, K), jnp.float32), spec((B, T, H), jnp.bfloat16))
-    return functools.partial(prefill.chunk_kda, backend="gpu", interpret=False, num_segments=num_segments), args
+    return functools.partial(prefill.chunk_kda, backend="gpu", interpret=False, num_segments=num_segments,
+                             recurrence="triton"), args
 
 
 def _window_case(mode, T, B=4, H=2, K=128, V=128, **tiling):

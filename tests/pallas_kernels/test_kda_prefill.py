@@ -273,7 +273,7 @@ def test_kernels_lower_for_tpu_and_gpu():
     segment summary pass and both stage-1 kernels) at serving shapes: bf16, K = V = 128, GVA."""
     assert _export("tpu", "tpu", AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")).count(
         "tpu_custom_call") >= 2
-    assert _export("gpu", "cuda", H200).count("xla.gpu.triton") >= 5
-    fast = dict(intermediate_dtype=jnp.bfloat16, gate_lower_bound=-5.0)  # the opt-in variants
+    assert _export("gpu", "cuda", H200, recurrence="triton").count("xla.gpu.triton") >= 5
+    fast = dict(intermediate_dtype=jnp.bfloat16, gate_lower_bound=-5.0, recurrence="triton")  # the opt-in variants
     assert _export("gpu", "cuda", H200, **fast).count("xla.gpu.triton") >= 5
 

@@ -132,11 +132,31 @@ def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
     assert_close(ck, ck_r, "bf16")
 
 
+def test_initial_state_hook_with_the_mosaic_recurrence(gpu_run):
+    """The KCP path through the default recurrence (Mosaic GPU here): ``initial_state_fn`` gets
+    each sequence's whole map from the Mosaic summary pass over 2 segments, and the recurrence
+    runs from the states it returns."""
+    cu = jnp.array([0, 64, 192], jnp.int32)
+    x = kda_inputs(8, 1, 192, 1, 1, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16)
+    h0 = random_state(8, (2, 1, 64, 64))
+    _, s1 = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
+    hook = lambda M, E: jnp.einsum("nhij,nhjv->nhiv", M, h0, precision="highest") + E
+    o, s2 = prefill.chunk_kda(*x, cu_seqlens=cu, num_segments=2, initial_state_fn=hook, **gpu_run)
+    o_r, s2_r = ref.naive_recurrent_kda(*x, initial_state=s1, cu_seqlens=cu)
+    assert_close(o, o_r, "bf16")
+    assert_close(s2, s2_r, "bf16")
+
+
 def test_the_mosaic_recurrence_lowers_for_the_h200():
     """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
-    kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments)."""
-    module = _export("gpu", "cuda", H200, recurrence="mosaic_gpu")
-    assert module.count("mosaic_gpu_v2") == 2 and module.count("xla.gpu.triton") == 4
+    kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments); the
+    default picks it there, and Triton where it does not apply (float32 intermediates) or where
+    a Triton ``block_v`` is given."""
+    for module in (_export("gpu", "cuda", H200, recurrence="mosaic_gpu"), _export("gpu", "cuda", H200)):
+        assert module.count("mosaic_gpu_v2") == 2 and module.count("xla.gpu.triton") == 4
+    for kw in (dict(intermediate_dtype=jnp.float32), dict(block_v=64)):
+        module = _export("gpu", "cuda", H200, **kw)
+        assert module.count("mosaic_gpu_v2") == 0 and module.count("xla.gpu.triton") == 6
 
 
 def test_bad_arguments_are_rejected():

@@ -37,11 +37,12 @@ PREP_PRECISIONS = {"auto": None, "x3": GPU_PRECISION}
 INTERMEDIATES = {"auto": None, "f32": jnp.float32, "bf16": jnp.bfloat16}  # auto: chunk_kda's default
 
 
-def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype, bounded):
+def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype, bounded, kernel="triton"):
     f = lambda x: x.reshape(-1, *x.shape[2:])
     return prefill.gpu_prep(f(q), f(k), f(v), f(g), f(beta)[..., None], C=64, scale=q.shape[-1] ** -0.5,
                             precision=prefill.default_precision(prep_precision, v.dtype), num_warps=num_warps,
-                            store_dtype=store_dtype or prefill.default_intermediates(v.dtype), bounded=bounded)
+                            store_dtype=store_dtype or prefill.default_intermediates(v.dtype), bounded=bounded,
+                            kernel=kernel)
 
 
 def main():
@@ -60,9 +61,14 @@ def main():
     ap.add_argument("--recurrence", default="auto",
                     help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (the recurrent stage's kernel; "
                          "mosaic_gpu needs bf16 intermediates)")
+    ap.add_argument("--prep-kernel", default="triton",
+                    help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; mosaic_gpu needs --k3-gates --diag "
+                         "bounded)")
     a = ap.parse_args()
     if "bounded" in a.diag and not a.k3_gates:
         ap.error("--diag bounded needs --k3-gates")
+    if "mosaic_gpu" in a.prep_kernel and a.diag != "bounded":
+        ap.error("--prep-kernel mosaic_gpu needs --k3-gates --diag bounded")
     bound = -5.0 if a.k3_gates else None
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -83,9 +89,9 @@ def main():
     for B, T, H in shapes:
         xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
         planned = prefill.plan_segments(B, H, 128, T // 64, backend="gpu")
-        sweep = [(planned if p == "plan" else int(p), cfg, pp, im, dg, rc) for p in a.segments.split(",")
+        sweep = [(planned if p == "plan" else int(p), cfg, pp, im, dg, rc, pk) for p in a.segments.split(",")
                  for cfg in configs for pp in a.prep_precision.split(",") for im in a.intermediates.split(",")
-                 for dg in a.diag.split(",") for rc in a.recurrence.split(",")]
+                 for dg in a.diag.split(",") for rc in a.recurrence.split(",") for pk in a.prep_kernel.split(",")]
         txs = [tuple(to_torch(x) for x in x3) for x3 in xs]
         tx = txs[0]
         t_fla = time_torch(theirs, txs, repeats=a.repeats)
@@ -94,23 +100,23 @@ def main():
         o_f, S_f = theirs(*tx)
         o_f, S_f = jnp.from_dlpack(o_f.float()), jnp.from_dlpack(S_f.float().contiguous())
         t_prep = {}
-        for P, cfg, pp, im, dg, rc in sweep:
+        for P, cfg, pp, im, dg, rc, pk in sweep:
             pw = cfg["prep_num_warps"]
-            key = (pw, pp, im, dg)  # what stage 1 depends on
+            key = (pw, pp, im, dg, pk)  # what stage 1 depends on
             if key not in t_prep:
                 st = jax.jit(partial(stage1, num_warps=pw, prep_precision=PREP_PRECISIONS[pp],
-                                     store_dtype=INTERMEDIATES[im], bounded=dg == "bounded"))
+                                     store_dtype=INTERMEDIATES[im], bounded=dg == "bounded", kernel=pk))
                 # Kernel A alone (with the cumsum kernel): only qg is kept, so jit drops kernels B and C.
                 st_a = jax.jit(lambda *x, st=st: st(*x)[0])
                 t_prep[key] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)
             ours = jax.jit(partial(prefill.chunk_kda, num_segments=P, prep_precision=PREP_PRECISIONS[pp],
                                    intermediate_dtype=INTERMEDIATES[im],
                                    gate_lower_bound=bound if dg == "bounded" else None,
-                                   recurrence=None if rc == "auto" else rc, **cfg))
+                                   recurrence=None if rc == "auto" else rc, prep_kernel=pk, **cfg))
             o, S = ours(*xs[0])
             err_o, err_s = rel_rms(o.astype(jnp.float32), o_f), rel_rms(S, S_f)
             row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned, **cfg, "prep": pp,
-                   "intermediates": im, "diag": dg, "recurrence": rc, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
+                   "intermediates": im, "diag": dg, "recurrence": rc, "prep_kernel": pk, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
             if max(err_o, err_s) > MATCH_TOL:
                 row["status"] = "MISMATCH: speed not reported"
             else:
@@ -143,7 +149,7 @@ def main():
 
 def cfg_str(r):
     return ":".join(str(r[k]) for k in ("block_v", "num_warps", "num_stages", "prep_num_warps", "prep", "intermediates", "diag",
-                                          "recurrence"))
+                                          "recurrence", "prep_kernel"))
 
 
 if __name__ == "__main__":

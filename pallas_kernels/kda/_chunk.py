@@ -279,25 +279,32 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     aqk_ref[:, rows] = (scale * jnp.where(c16 <= r16, Aq, 0.0)).astype(aqk_ref.dtype)
     n_ref[:, rows] = zero
     qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(G_ref[rows, :])).astype(qg_ref.dtype)
-    D = bi * jnp.where(c16 < r16, Ak, 0.0)  # the diagonal block, strictly lower
-    # Doubling from 2 x 2 blocks: their inverses are I - D's entries inside them (what the first
-    # level's products give, bit for bit).
-    xd_ref[...] = _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0) - jnp.where(_block_mask(SUB, 1), D, 0.0), D, 2, _HI)
+    xd_ref[...] = _diagonal_inverse(bi * jnp.where(c16 < r16, Ak, 0.0))
 
 
-def _inverse_body(n_ref, xd_ref, x_ref, *, precision):
+def _diagonal_inverse(D):
+    """``(I + D)^-1`` of a strictly lower ``16 x 16`` block in IEEE float32, by doubling from
+    2 x 2 blocks: their inverses are I - D's entries inside them (what the first level's products
+    give, bit for bit)."""
+    r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+    return _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0) - jnp.where(_block_mask(SUB, 1), D, 0.0), D, 2, _HI)
+
+
+def _inverse_body(n_ref, *refs, precision):
     """GPU stage 1, kernel B: one chunk's ``X = (I + N)^-1`` from kernel A's pieces (``N`` strictly
     lower: beta Akk left of the diagonal blocks; ``Xd [C, 16]`` the diagonal blocks' inverses), by
     forward substitution over 16 x 16 blocks: ``X_ij = -X_ii sum_{j <= m < i} N_im X_mj``, exact
     elimination (no series). Blocks are read and written through static ref slices, so every
-    product is ``[16, 16] x [16, 16]``.
+    product is ``[16, 16] x [16, 16]``. With ``refs == (x_ref,)`` (no ``Xd``), ``N`` holds the
+    diagonal blocks too and their inverses are formed here (:func:`_diagonal_inverse`).
     """
+    *xd, x_ref = refs
     nb = n_ref.shape[0] // SUB
     blk = lambda i: pl.ds(i * SUB, SUB)
     zero = jnp.zeros((SUB, SUB), _F32)
     X = {}
     for i in range(nb):
-        X[i, i] = xd_ref[blk(i), :]
+        X[i, i] = xd[0][blk(i), :] if xd else _diagonal_inverse(n_ref[blk(i), blk(i)])
         N = [n_ref[blk(i), blk(m)] for m in range(i)]
         for j in range(i):
             acc = zero
@@ -353,7 +360,8 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
-                  compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None, interpret=False):
+                  compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None, interpret=False,
+                  rows_call=None):
     """GPU stage 1 as three kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
@@ -368,7 +376,9 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     are kernels A's and B's (one warp each: their ``[16, 16]`` products replicate across warps;
     kernel B on 1 warp took 168 us at B1 T32k H32 on the H200, 2 warps 240, 4 warps 408; kernel
     A's K loop pipelined in 2 stages 1589 us, 1 stage 1782, 3 stages 1989),
-    ``compiler_params`` the other kernels'.
+    ``compiler_params`` the other kernels'. ``rows_call``: another kernel A,
+    ``rows_call(q, k, G, beta) -> (qg, Aqk, N)`` with ``N`` strictly lower including the diagonal
+    blocks (kernel B then inverts them), e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -377,25 +387,28 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
-    qg, aqk, N, Xd = pl.pallas_call(
-        partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
-        grid=(NC, HV, ns),
-        in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
-        out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
-        out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
-        compiler_params=rows_compiler_params,
-        interpret=interpret,
-    )(q, k, g, G, beta)
+    if rows_call is None:
+        qg, aqk, N, *Xd = pl.pallas_call(
+            partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
+            grid=(NC, HV, ns),
+            in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
+            out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
+            out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
+            compiler_params=rows_compiler_params,
+            interpret=interpret,
+        )(q, k, g, G, beta)
+    else:
+        (qg, aqk, N), Xd = rows_call(q, k, G, beta), []
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     X = pl.pallas_call(
         partial(_inverse_body, precision=inv_precision),
         grid=(NC, HV),
-        in_specs=[rows(C), rows(SUB)],
+        in_specs=[rows(C), rows(SUB)][: 1 + len(Xd)],
         out_specs=rows(C),
         out_shape=f32(HV, TT, C),
         compiler_params=inverse_compiler_params,
         interpret=interpret,
-    )(N, Xd)
+    )(N, *Xd)
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
     kdT, W, U, decay = pl.pallas_call(
         partial(_wu_body, precision=precision),

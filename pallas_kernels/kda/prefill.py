@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
 from k3jax.ops.segments import combine_segments, segment_initial_states
-from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu
+from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu, prep_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
 _F32 = jnp.float32
@@ -82,13 +82,17 @@ def default_precision(precision, dtype, *, scan=False):
 
 
 def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=_F32, bounded=False,
-             interpret=False):
+             interpret=False, kernel="triton"):
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
-    ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting."""
+    ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting.
+    ``kernel="mosaic_gpu"``: kernel A in Mosaic GPU (:mod:`pallas_kernels.kda.prep_mgpu`)."""
     hi = jax.lax.Precision.HIGHEST
     params = lambda warps, stages: None if interpret else prefill_gpu.params(warps, stages)
+    rows = None
+    if kernel == "mosaic_gpu":
+        rows = partial(prep_mgpu.rows_call, scale=scale, store_dtype=store_dtype, interpret=bool(interpret))
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
-                         bounded=bounded,
+                         bounded=bounded, rows_call=rows,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=params(num_warps, 1), rows_compiler_params=params(1, 2),
                          inverse_compiler_params=params(1, 1))
@@ -122,7 +126,7 @@ def chunk_kda(
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
     backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
-    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, recurrence: str | None = None,
+    intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, recurrence: str | None = None, prep_kernel: str = "triton",
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -168,6 +172,10 @@ def chunk_kda(
         GPU where it applies and no ``block_v`` is given, else Triton. On the H200 (2026-12-01,
         whole call) the Mosaic recurrence made the prefill 3-7% faster at the five benchmark
         shapes timed (e.g. B8 T4k H32 3.65 against 3.92 ms).
+      prep_kernel: GPU: stage 1's kernel A (Aqk, Akk, qg), "triton" (the default) or "mosaic_gpu"
+        (:mod:`pallas_kernels.kda.prep_mgpu`: TF32 WGMMA products; needs ``gate_lower_bound``,
+        chunk 64, K in (64, 128) and 16-bit inputs; not yet timed on a GPU). The gate cumsum,
+        the inverse and W / U stay on Triton.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -201,6 +209,13 @@ def chunk_kda(
         raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
                          f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
                          f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")
+    if prep_kernel not in ("triton", "mosaic_gpu"):
+        raise ValueError(f"prep_kernel must be 'triton' or 'mosaic_gpu', got {prep_kernel!r}")
+    if prep_kernel == "mosaic_gpu" and (kind != "gpu" or not prep_mgpu.supported(K, chunk_size, q.dtype,
+                                                                                  gate_lower_bound is not None)):
+        raise ValueError("the Mosaic GPU kernel A runs on the GPU backend with gate_lower_bound set, chunk_size 64, "
+                         f"K in (64, 128) and 16-bit inputs; got backend {kind}, gate_lower_bound "
+                         f"{gate_lower_bound}, chunk_size {chunk_size}, K={K}, {q.dtype}")
     if recurrence == "mosaic_gpu" and block_v is not None:
         prefill_mgpu.check_block_v(block_v)  # before stage 1 runs
     if num_segments is not None and num_segments < 1:
@@ -233,7 +248,7 @@ def chunk_kda(
     if kind == "gpu":
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
                         num_warps=prep_num_warps, store_dtype=store, bounded=gate_lower_bound is not None,
-                        interpret=interpret)
+                        interpret=interpret, kernel=prep_kernel)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu",
                                           summary_paid=initial_state_fn is not None)
         if recurrence == "mosaic_gpu":

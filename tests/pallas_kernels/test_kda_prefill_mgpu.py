@@ -1,9 +1,11 @@
-"""The Mosaic GPU recurrent stage (``pallas_kernels.kda.prefill_mgpu``).
+"""The Mosaic GPU prefill kernels: the recurrent stage (``pallas_kernels.kda.prefill_mgpu``) and
+stage 1's kernel A for bounded gates (``pallas_kernels.kda.prep_mgpu``).
 
-CPU: the kernel in the Mosaic GPU interpreter (race detection on, uninitialised shared memory
-NaN) against a NumPy replay of the same recurrence with bf16 operands, and through
-``chunk_kda(recurrence="mosaic_gpu")`` against the k3jax references; the lowering is checked
-with ``jax.export`` for an abstract H200. ``-m gpu`` on a GPU runs the same checks compiled.
+CPU: the kernels in the Mosaic GPU interpreter (race detection on, uninitialised shared memory
+NaN): the recurrence against a NumPy replay of the same recurrence with bf16 operands, kernel A
+against float64 products; both through ``chunk_kda`` against the k3jax references; the
+lowering is checked with ``jax.export`` for an abstract H200. ``-m gpu`` on a GPU runs the same
+checks compiled.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_i
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.ops import kda as ref
-from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu
+from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu, prep_mgpu
 from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
 from tests.pallas_kernels.test_kda_prefill import H200, _export
 
@@ -147,6 +149,68 @@ def test_initial_state_hook_with_the_mosaic_recurrence(gpu_run):
     assert_close(s2, s2_r, "bf16")
 
 
+def _exact_products(q, k, G, beta, scale, rep):
+    """Float64 ``Aqk`` (scaled, causal) and ``N = beta Akk`` (strictly lower) per chunk, from the
+    pairwise gate differences: ``[HV, TT, C]`` each."""
+    q, k, G, beta = (np.asarray(x, np.float64) for x in (q, k, G, beta[..., 0]))
+    TT, HV = G.shape[:2]
+    aqk, n = np.zeros((HV, TT, C)), np.zeros((HV, TT, C))
+    causal, strict = np.tril(np.ones((C, C))), np.tril(np.ones((C, C)), -1)
+    for h in range(HV):
+        for c in range(0, TT, C):
+            Gc, qc, kc = G[c:c + C, h], q[c:c + C, h // rep], k[c:c + C, h // rep]
+            decay = np.exp(np.minimum(Gc[:, None, :] - Gc[None, :, :], 0.0))  # [r, j, K]; r >= j kept
+            aqk[h, c:c + C] = scale * causal * np.einsum("rd,jd,rjd->rj", qc, kc, decay)
+            n[h, c:c + C] = beta[c:c + C, h, None] * strict * np.einsum("rd,jd,rjd->rj", kc, kc, decay)
+    return aqk, n
+
+
+def test_kernel_a_matches_exact_products(interpret):
+    """The Mosaic GPU kernel A at the gate bound (most gates near -5: spans up to 80 nats per
+    sub-chunk, 320 per chunk), GVA, K = 128: Aqk, N (diagonal blocks included) and qg against
+    float64 (interpreter: float32 products; compiled: TF32); rows never read later tokens (the
+    last token's inputs changed, every other row bit for bit the same)."""
+    TT, H, HV_, K_ = 2 * C, 1, 2, 128
+    q, k, _, g, beta = (x[0] for x in kda_inputs(9, 1, TT, H, HV_, K_, K_, lower_bound=-5.0, dtype=jnp.bfloat16,
+                                                 gate_scale=4.0))
+    beta = beta[..., None]
+    assert float(g.min()) < -4.99
+    G = jnp.cumsum(g.reshape(2, C, HV_, K_), axis=1).reshape(TT, HV_, K_)
+    scale = K_**-0.5
+    run = partial(prep_mgpu.rows_call, scale=scale, store_dtype=jnp.float32, interpret=interpret)
+    qg, aqk, n = run(q, k, G, beta)
+    _no_race(interpret)
+    aqk_r, n_r = _exact_products(q, k, G, beta, scale, HV_ // H)
+    qg_r = scale * np.moveaxis(np.asarray(q, np.float64)[:, [0, 0]] * np.exp(np.asarray(G, np.float64)), 1, 0)
+    tol = 1e-5 if interpret else 2e-3  # TF32 products on the GPU
+    for got, want in ((aqk, aqk_r), (n, n_r), (qg, qg_r)):
+        assert rel_rms(got, want) < tol
+    last = TT - 1
+    later = lambda x, key: x.at[last].set(jax.random.normal(key, x.shape[1:]).astype(x.dtype))
+    q2, k2 = later(q, jax.random.key(1)), later(k, jax.random.key(2))
+    G2 = G.at[last].set(G[last - 1] - 1.0)
+    for a, b in zip(run(q2, k2, G2, beta), (qg, aqk, n)):
+        np.testing.assert_array_equal(np.asarray(a)[:, :last], np.asarray(b)[:, :last])
+
+
+def test_chunk_kda_with_the_mosaic_kernel_a(gpu_run):
+    """``chunk_kda(prep_kernel="mosaic_gpu")`` at the gate bound: varlen (a sequence that is not a
+    whole number of chunks), GVA, initial states, 64-token checkpoints, 2 segments, with both
+    recurrences; against the references within bf16 tolerance."""
+    cu = jnp.array([0, 100, 228], jnp.int32)
+    x = kda_inputs(5, 1, 228, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16, gate_scale=4.0)
+    h0 = random_state(5, (2, 2, 64, 64))
+    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
+    _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
+    for recurrence in ("triton", "mosaic_gpu"):
+        o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2,
+                                     gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence,
+                                     **gpu_run)
+        assert_close(o, o_r, "bf16")
+        assert_close(s, s_r, "bf16")
+        assert_close(ck, ck_r, "bf16")
+
+
 def test_the_mosaic_recurrence_lowers_for_the_h200():
     """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
     kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments); the
@@ -157,6 +221,9 @@ def test_the_mosaic_recurrence_lowers_for_the_h200():
     for kw in (dict(intermediate_dtype=jnp.float32), dict(block_v=64)):
         module = _export("gpu", "cuda", H200, **kw)
         assert module.count("mosaic_gpu_v2") == 0 and module.count("xla.gpu.triton") == 6
+    # Kernel A too (bounded gates): the cumsum, inverse and W / U kernels stay on Triton.
+    module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, prep_kernel="mosaic_gpu")
+    assert module.count("mosaic_gpu_v2") == 3 and module.count("xla.gpu.triton") == 3
 
 
 def test_bad_arguments_are_rejected():
@@ -170,6 +237,15 @@ def test_bad_arguments_are_rejected():
         run(recurrence="mosaic_gpu", chunk_size=32)
     with pytest.raises(ValueError, match="GPU backend"):
         prefill.chunk_kda(*x, backend="tpu", recurrence="mosaic_gpu")
+    with pytest.raises(ValueError, match="prep_kernel must be"):
+        run(prep_kernel="mosaic")
+    with pytest.raises(ValueError, match="gate_lower_bound set"):
+        run(prep_kernel="mosaic_gpu")  # unbounded gates need the Triton kernel A's span test
+    with pytest.raises(ValueError, match="16-bit inputs"):
+        prefill.chunk_kda(*kda_inputs(7, 1, 64, 1, 1, 64, 64), backend="gpu", interpret=True, gate_lower_bound=-5.0,
+                          prep_kernel="mosaic_gpu")
+    with pytest.raises(ValueError, match="GPU backend"):
+        prefill.chunk_kda(*x, backend="tpu", gate_lower_bound=-5.0, prep_kernel="mosaic_gpu")
     f32_prep = tuple(a.astype(jnp.float32) for a in _prep(2))
     with pytest.raises(ValueError, match="block_v must be 32 or 64"):
         run(recurrence="mosaic_gpu", block_v=128)

@@ -59,20 +59,23 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                          (G_ref.at[rows, h], G_s), (beta_ref.at[h, rows], b_s)):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-        q = plgpu.load(q_s, layout=lay).astype(_F32)
-        k = plgpu.load(k_s, layout=lay).astype(_F32)
+        # Live tiles are few (each [64, K] f32 tile is 64 registers a thread): q goes once its two
+        # uses are stored, the anchors stay [K] vectors until used.
         G = plgpu.load(G_s, layout=lay)
-        beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, K), [0]))
         r = iota((C, K), 0)
         sub = pin(lax.div(r, SUB))
         # Sub-chunk i's anchor: its first row of G, picked by a reduction over the rows.
-        anchors = [pin(lax.broadcast_in_dim(jnp.max(jnp.where(r == i * SUB, G, -jnp.inf), axis=0), (C, K), [1]))
-                   for i in range(C // SUB)]
-        anchor = anchors[0]
+        anchor_of = lambda i: pin(lax.broadcast_in_dim(jnp.max(jnp.where(r == i * SUB, G, -jnp.inf), axis=0),
+                                                       (C, K), [1]))
+        anchor = anchor_of(0)
         for i in range(1, C // SUB):
-            anchor = pin(jnp.where(sub == i, anchors[i], anchor))
+            anchor = pin(jnp.where(sub == i, anchor_of(i), anchor))
         e = pin(_exp(G - anchor))
+        q = plgpu.load(q_s, layout=lay).astype(_F32)
         rq_s[...] = pin(q * e)
+        qg_s[...] = (scale * q * _exp(G)).astype(qg_s.dtype)
+        k = plgpu.load(k_s, layout=lay).astype(_F32)
+        beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, K), [0]))
         rk_s[...] = pin(beta * k * e)
         r2, c2 = iota((C, C), 0), iota((C, C), 1)
         sub2 = pin(lax.div(r2, SUB))
@@ -80,7 +83,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         for i in range(C // SUB):
             # G's buffer (G is in registers) takes the columns; those past sub-chunk i are selected
             # away before their exponent can overflow.
-            G_s[...] = pin(jnp.where(sub <= i, k * _exp(pin(jnp.where(sub <= i, anchors[i] - G, 0.0))), 0.0))
+            up = pin(jnp.where(sub <= i, anchor_of(i) - G, 0.0))
+            G_s[...] = pin(jnp.where(sub <= i, k * _exp(up), 0.0))
             plgpu.commit_smem()
 
             def products(acc_q, acc_k):
@@ -91,7 +95,6 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             aq_i, ak_i = pl.run_scoped(products, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
             aq = pin(jnp.where(sub2 == i, aq_i, aq))
             ak = pin(jnp.where(sub2 == i, ak_i, ak))
-        qg_s[...] = (scale * q * _exp(G)).astype(qg_s.dtype)
         aqk_s[...] = (scale * jnp.where(c2 <= r2, aq, 0.0)).astype(aqk_s.dtype)
         n_s[...] = jnp.where(c2 < r2, ak, 0.0)
         plgpu.commit_smem()

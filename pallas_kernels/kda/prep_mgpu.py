@@ -4,8 +4,8 @@
 
 One CTA (one warpgroup) per (chunk, value head). TMA brings the chunk's q, k, gate cumsum G and
 beta into shared memory. Every 16-row sub-chunk is anchored at its first row's G (as in the
-Triton kernel A), so the row factors ``exp(G_r - a)`` lie in ``[e^-80, 1]`` and the column
-factors ``exp(a - G_j)`` of the columns up to the sub-chunk's end in ``(0, e^80]`` when every
+Triton kernel A), so the row factors ``exp(G_r - a)`` lie in ``[e^-75, 1]`` and the column
+factors ``exp(a - G_j)`` of the columns up to the sub-chunk's end at most ``e^75`` when every
 gate is at least -5 (normal float32 and TF32). The rows of all four sub-chunks form one
 ``[64, K]`` operand each for q and beta k; per anchor ``i`` the columns form one more, and two
 tensor-core products (TF32, f32 accumulation) give ``q k^T`` and ``beta k k^T`` of which the

@@ -166,7 +166,7 @@ def _exact_products(q, k, G, beta, scale, rep):
 
 
 def test_kernel_a_matches_exact_products(interpret):
-    """The Mosaic GPU kernel A at the gate bound (most gates near -5: spans up to 80 nats per
+    """The Mosaic GPU kernel A at the gate bound (most gates near -5: spans up to 75 nats per
     sub-chunk, 320 per chunk), GVA, K = 128: Aqk, N (diagonal blocks included) and qg against
     float64 (interpreter: float32 products; compiled: TF32); rows never read later tokens (the
     last token's inputs changed, every other row bit for bit the same)."""

@@ -403,7 +403,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     X = pl.pallas_call(
         partial(_inverse_body, precision=inv_precision),
         grid=(NC, HV),
-        in_specs=[rows(C), rows(SUB)][: 1 + len(Xd)],
+        in_specs=[rows(C)] + [rows(SUB)] * len(Xd),
         out_specs=rows(C),
         out_shape=f32(HV, TT, C),
         compiler_params=inverse_compiler_params,

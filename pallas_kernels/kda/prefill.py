@@ -201,12 +201,12 @@ def chunk_kda(
         raise ValueError("bfloat16 intermediates are implemented for the GPU kernels only")
     if gate_lower_bound is not None and not -5.0 <= gate_lower_bound <= 0.0:
         raise ValueError(f"gate_lower_bound must be in [-5, 0] (None for unbounded gates), got {gate_lower_bound}")
+    mosaic_ok = kind == "gpu" and prefill_mgpu.supported(K, V, chunk_size, store)
     if recurrence is None:
-        mosaic = kind == "gpu" and prefill_mgpu.supported(K, V, chunk_size, store) and block_v is None
-        recurrence = "mosaic_gpu" if mosaic else "triton"
+        recurrence = "mosaic_gpu" if mosaic_ok and block_v is None else "triton"
     if recurrence not in ("triton", "mosaic_gpu"):
         raise ValueError(f"recurrence must be 'triton' or 'mosaic_gpu', got {recurrence!r}")
-    if recurrence == "mosaic_gpu" and (kind != "gpu" or not prefill_mgpu.supported(K, V, chunk_size, store)):
+    if recurrence == "mosaic_gpu" and not mosaic_ok:
         raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
                          f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
                          f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")

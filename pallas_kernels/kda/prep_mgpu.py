@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda._chunk import SUB, _exp
+from pallas_kernels.kda.prefill_mgpu import _swizzled
 
 _F32 = jnp.float32
 C = 64  # chunk rows: one WGMMA row block
@@ -38,11 +39,6 @@ def supported(K, chunk_size, dtype, bounded) -> bool:
     """Whether :func:`rows_call` takes these: bounded gates, chunk 64, K in {64, 128} (shared
     memory), 16-bit inputs (TF32 products are the Triton path's precision for those only)."""
     return bounded and chunk_size == C and K in (64, 128) and jnp.dtype(dtype).itemsize == 2
-
-
-def _swizzled(dtype):
-    """128-byte swizzled 8-row tiles: the WGMMA operand layout."""
-    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
 
 
 def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep):
@@ -102,7 +98,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             plgpu.copy_smem_to_gmem(src, dst.at[h, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype) if swizzled else ())
+    smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(shape, dtype,
+                                                          transforms=_swizzled(dtype, 128) if swizzled else ())
     st = qg_ref.dtype
     pl.run_scoped(body, smem((C, K), q_ref.dtype), smem((C, K), k_ref.dtype), smem((C, K), _F32),
                   smem((C,), _F32, False), smem((C, K), _F32), smem((C, K), _F32), smem((C, K), st),

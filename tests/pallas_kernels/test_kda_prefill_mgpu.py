@@ -117,21 +117,27 @@ def test_summary_mode_matches_the_triton_kernel(block_v, interpret):
     assert not np.any(np.asarray(got[1, :, :, K:]))
 
 
+def _chunk_kda_matches_the_references(cu, x, h0, variants):
+    """``chunk_kda`` with 64-token checkpoints and 2 segments, once per keyword set in
+    ``variants``: bf16 outputs, final states and checkpoints within bf16 tolerance of the
+    references (computed once)."""
+    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
+    _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
+    for kw in variants:
+        o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2, **kw)
+        assert o.dtype == jnp.bfloat16
+        assert_close(o, o_r, "bf16")
+        assert_close(s, s_r, "bf16")
+        assert_close(ck, ck_r, "bf16")
+
+
 def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
     """``chunk_kda(recurrence="mosaic_gpu")``: bf16 inputs, GVA, a sequence that is not a whole
     number of chunks, initial states, 64-token checkpoints, 2 segments (the summary pass and the
     recurrence); against the references within bf16 tolerance."""
-    cu = jnp.array([0, 200, 264], jnp.int32)
     x = kda_inputs(5, 1, 264, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16)
-    h0 = random_state(5, (2, 2, 64, 64))
-    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
-    _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
-    o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2,
-                                 recurrence="mosaic_gpu", **gpu_run)
-    assert o.dtype == jnp.bfloat16
-    assert_close(o, o_r, "bf16")
-    assert_close(s, s_r, "bf16")
-    assert_close(ck, ck_r, "bf16")
+    _chunk_kda_matches_the_references(jnp.array([0, 200, 264], jnp.int32), x, random_state(5, (2, 2, 64, 64)),
+                                      [dict(recurrence="mosaic_gpu", **gpu_run)])
 
 
 def test_initial_state_hook_with_the_mosaic_recurrence(gpu_run):
@@ -197,18 +203,10 @@ def test_chunk_kda_with_the_mosaic_kernel_a(gpu_run):
     """``chunk_kda(prep_kernel="mosaic_gpu")`` at the gate bound: varlen (a sequence that is not a
     whole number of chunks), GVA, initial states, 64-token checkpoints, 2 segments, with both
     recurrences; against the references within bf16 tolerance."""
-    cu = jnp.array([0, 100, 228], jnp.int32)
     x = kda_inputs(5, 1, 228, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16, gate_scale=4.0)
-    h0 = random_state(5, (2, 2, 64, 64))
-    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
-    _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
-    for recurrence in ("triton", "mosaic_gpu"):
-        o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2,
-                                     gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence,
-                                     **gpu_run)
-        assert_close(o, o_r, "bf16")
-        assert_close(s, s_r, "bf16")
-        assert_close(ck, ck_r, "bf16")
+    _chunk_kda_matches_the_references(
+        jnp.array([0, 100, 228], jnp.int32), x, random_state(5, (2, 2, 64, 64)),
+        [dict(gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=r, **gpu_run) for r in ("triton", "mosaic_gpu")])
 
 
 def test_the_mosaic_recurrence_lowers_for_the_h200():

@@ -62,17 +62,18 @@ def test_incremental_equivalence(k3):
     ids = jax.random.randint(jax.random.key(2), (37,), 3, cfg.vocab_size)
     fwd = jax.jit(lambda ids, cache: forward(cfg, params, ids, cache))
     full = logits(cfg, params, ids)
+    # Few piece lengths (each compiles once): chunked prefill of 16 + 16 + 5 tokens, then 16 + 16
+    # tokens and five decode steps.
     cache = init_cache(cfg, 37)
     pieces = []
-    for a, b in ((0, 13), (13, 33), (33, 37)):  # chunked prefill
+    for a, b in ((0, 16), (16, 32), (32, 37)):
         out, cache = fwd(ids[a:b], cache)
         pieces.append(out)
     assert rel_rms(jnp.concatenate(pieces), full) <= 1e-4
     cache = init_cache(cfg, 37)
-    out, cache = fwd(ids[:30], cache)
-    steps = [out]
-    for t in range(30, 37):  # decode steps
-        out, cache = fwd(ids[t : t + 1], cache)
+    steps = []
+    for a, b in ((0, 16), (16, 32)) + tuple((t, t + 1) for t in range(32, 37)):
+        out, cache = fwd(ids[a:b], cache)
         steps.append(out)
     assert rel_rms(jnp.concatenate(steps), full) <= 1e-4
     assert int(cache.pos) == 37

@@ -50,7 +50,8 @@ def test_segmented_prefill_matches_recurrent(P):
     q, k, v, g, beta = kda_inputs(3, 2, 203, 2, 2, 16, 16, lower_bound=-5.0)
     h0 = random_state(3, (2, 2, 16, 16))
     o_ref, S_ref = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
-    o, S = segments.chunk_kda_segmented(q, k, v, g, beta, num_segments=P, initial_state=h0, chunk_size=32)
+    segmented = jax.jit(segments.chunk_kda_segmented, static_argnames=("num_segments", "chunk_size"))
+    o, S = segmented(q, k, v, g, beta, num_segments=P, initial_state=h0, chunk_size=32)
     assert_close(o, o_ref, "f32_out")
     assert_close(S, S_ref, "f32_state")
 

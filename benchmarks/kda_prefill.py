@@ -88,8 +88,13 @@ def main():
     rows = []
     for B, T, H in shapes:
         xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
-        planned = prefill.plan_segments(B, H, 128, T // 64, backend="gpu")
-        sweep = [(planned if p == "plan" else int(p), cfg, pp, im, dg, rc, pk) for p in a.segments.split(",")
+        # The planner's P for the recurrence chunk_kda will run (auto: Mosaic GPU unless float32
+        # intermediates or a Triton block_v are asked for; bf16 inputs here).
+        planned = lambda cfg, im, rc: prefill.plan_segments(
+            B, H, 128, T // 64, backend="gpu",
+            recurrence="mosaic_gpu" if rc == "mosaic_gpu" or (rc == "auto" and im != "f32" and cfg["block_v"] is None)
+            else "triton")
+        sweep = [(planned(cfg, im, rc) if p == "plan" else int(p), cfg, pp, im, dg, rc, pk) for p in a.segments.split(",")
                  for cfg in configs for pp in a.prep_precision.split(",") for im in a.intermediates.split(",")
                  for dg in a.diag.split(",") for rc in a.recurrence.split(",") for pk in a.prep_kernel.split(",")]
         txs = [tuple(to_torch(x) for x in x3) for x3 in xs]
@@ -115,7 +120,7 @@ def main():
                                    recurrence=None if rc == "auto" else rc, prep_kernel=pk, **cfg))
             o, S = ours(*xs[0])
             err_o, err_s = rel_rms(o.astype(jnp.float32), o_f), rel_rms(S, S_f)
-            row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned, **cfg, "prep": pp,
+            row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": planned(cfg, im, rc), **cfg, "prep": pp,
                    "intermediates": im, "diag": dg, "recurrence": rc, "prep_kernel": pk, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
             if max(err_o, err_s) > MATCH_TOL:
                 row["status"] = "MISMATCH: speed not reported"

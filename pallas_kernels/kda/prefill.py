@@ -29,7 +29,7 @@ _F32 = jnp.float32
 
 
 def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, num_cores=None, min_chunks=16,
-                  summary_paid=False):
+                  summary_paid=False, recurrence="triton"):
     """Segments per sequence for the recurrent stage.
 
     GPU: one program per (segment, head, column block); ``chunk_kda`` runs split sequences at
@@ -39,8 +39,10 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     against 12.04 unsplit; H = 4, P = 16 took 3.51 ms). When the summary pass runs anyway
     (``summary_paid``: an ``initial_state_fn``, as KCP passes), segments cost only their fold, so
     ``P`` fills the cores: ``P x programs >= num_cores`` (P = 3 per rank at H = 32: KCP 1.81x on two
-    H200s at T = 131072). Segments keep at least ``min_chunks`` chunks. TPU: 1 (its one or two
-    cores are filled by heads).
+    H200s at T = 131072). Segments keep at least ``min_chunks`` chunks. ``recurrence="mosaic_gpu"``
+    (its CTAs cover 64 columns, as ``block_v`` here) splits from ``P = 2``: on the H200 at H = 32
+    (64 CTAs) P = 2 took B1 T32k 3.60 ms of kernel time against 3.64 unsplit and T131k 14.08
+    against 14.33 (P = 3: 3.84, 14.98). TPU: 1 (its one or two cores are filled by heads).
     """
     if backend not in ("gpu", "cuda", "rocm"):
         return 1
@@ -48,7 +50,7 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     programs = gpu_programs(num_seqs, num_heads, V, block_v)
     P = -(-num_cores // programs) if summary_paid else num_cores // programs
     P = min(P, max_chunks // min_chunks)
-    return P if P >= (2 if summary_paid else 3) else 1
+    return P if P >= (2 if summary_paid or recurrence == "mosaic_gpu" else 3) else 1
 
 
 def gpu_programs(rows, num_heads, V, block_v):
@@ -251,7 +253,7 @@ def chunk_kda(
                         num_warps=prep_num_warps, store_dtype=store, bounded=gate_lower_bound is not None,
                         interpret=interpret, kernel=prep_kernel)
         P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu",
-                                          summary_paid=initial_state_fn is not None)
+                                          summary_paid=initial_state_fn is not None, recurrence=recurrence)
         if recurrence == "mosaic_gpu":
             # State columns per warpgroup, the same in the summary pass.
             block_v = summary_block_v = block_v or prefill_mgpu.DEFAULT_BLOCK_V

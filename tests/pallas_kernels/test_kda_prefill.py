@@ -247,6 +247,7 @@ def test_bad_arguments_are_rejected():
 def test_plan_segments():
     plan = partial(prefill.plan_segments, V=128, max_chunks=2048, backend="gpu", num_cores=132)
     assert plan(1, 32) == 1  # 64 programs: heads already fill the device
+    assert plan(1, 32, recurrence="mosaic_gpu") == 2 and plan(1, 48, recurrence="mosaic_gpu") == 1  # from P = 2
     assert plan(1, 4) == 16 and plan(1, 12) == 5 and plan(1, 4, block_v=32) == 8  # fill the 132 SMs
     assert plan(1, 12, block_v=32) == 1  # 2 segments for 48 programs: not worth the summary pass
     assert plan(1, 4, max_chunks=32) == 1  # too short to split

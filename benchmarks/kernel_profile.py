@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 
 import jax
 
@@ -40,15 +41,18 @@ def fla_kernel_seconds(xs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1,32768,32", help="B,T,H;B,T,H;...")
+    ap.add_argument("--k3-gates", action="store_true",
+                    help="K3 gates (lower bound -5), ours told so (gate_lower_bound=-5: no span check)")
     a = ap.parse_args()
     rows = []
-    ours_fn = jax.jit(chunk_kda)
+    bound = -5.0 if a.k3_gates else None
+    ours_fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound))
     for shape in a.shapes.split(";"):
         B, T, H = map(int, shape.split(","))
-        xs = inputs(1, B, T, H)
+        xs = inputs(1, B, T, H, lower_bound=bound)
         ours = kernel_seconds(lambda: ours_fn(*xs), STEPS)
         theirs = fla_kernel_seconds(xs)
-        rows.append({"B": B, "T": T, "H": H, "ours_us": {k: v * 1e6 for k, v in ours.items()},
+        rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "ours_us": {k: v * 1e6 for k, v in ours.items()},
                      "fla_us": {k: v * 1e6 for k, v in theirs.items()}})
         print(f"\nB={B} T={T} H={H}: ours {sum(ours.values()) * 1e6:.0f} us, fla {sum(theirs.values()) * 1e6:.0f} us")
         for side, table in (("ours", ours), ("fla", theirs)):

@@ -80,9 +80,11 @@ def test_initial_state_hook(run):
     h0 = random_state(6, (3, 2, 32, 32))
     _, S1 = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
     hook = lambda M, E: jnp.einsum("nhij,nhjv->nhiv", M, h0, precision="highest") + E
-    P = 3 if run["backend"] != "tpu" else None
-    o, S2 = prefill.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16, num_segments=P, initial_state_fn=hook,
-                              summary_block_v=16, **run)  # GPU: a summary column block unlike the recurrence's
+    # GPU: 3 segments and a summary column block unlike the recurrence's; TPU: chunk 32 (half the
+    # interpreted grid steps).
+    gpu = run["backend"] != "tpu"
+    o, S2 = prefill.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16 if gpu else 32,
+                              num_segments=3 if gpu else None, initial_state_fn=hook, summary_block_v=16, **run)
     o_ref, S2_ref = ref.naive_recurrent_kda(q, k, v, g, beta, initial_state=S1, cu_seqlens=cu)
     assert_close(o, o_ref, "f32_out")
     assert_close(S2, S2_ref, "f32_state")

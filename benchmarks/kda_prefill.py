@@ -88,12 +88,11 @@ def main():
     rows = []
     for B, T, H in shapes:
         xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
-        # The planner's P for the recurrence chunk_kda will run (auto: Mosaic GPU unless float32
-        # intermediates or a Triton block_v are asked for; bf16 inputs here).
+        # The planner's P for the recurrence chunk_kda will run.
+        store = lambda im: jnp.dtype(INTERMEDIATES[im] or prefill.default_intermediates(xs[0][2].dtype))
         planned = lambda cfg, im, rc: prefill.plan_segments(
             B, H, 128, T // 64, backend="gpu",
-            recurrence="mosaic_gpu" if rc == "mosaic_gpu" or (rc == "auto" and im != "f32" and cfg["block_v"] is None)
-            else "triton")
+            recurrence=rc if rc != "auto" else prefill.default_recurrence(128, 128, 64, store(im), cfg["block_v"]))
         sweep = [(planned(cfg, im, rc) if p == "plan" else int(p), cfg, pp, im, dg, rc, pk) for p in a.segments.split(",")
                  for cfg in configs for pp in a.prep_precision.split(",") for im in a.intermediates.split(",")
                  for dg in a.diag.split(",") for rc in a.recurrence.split(",") for pk in a.prep_kernel.split(",")]

@@ -100,6 +100,13 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
                          inverse_compiler_params=params(1, 1))
 
 
+def default_recurrence(K, V, chunk_size, store_dtype, block_v=None):
+    """The GPU recurrent kernel :func:`chunk_kda` runs when ``recurrence`` is None: Mosaic GPU where
+    it applies (:func:`pallas_kernels.kda.prefill_mgpu.supported`) and no Triton ``block_v`` is
+    given, else Triton."""
+    return "mosaic_gpu" if block_v is None and prefill_mgpu.supported(K, V, chunk_size, store_dtype) else "triton"
+
+
 def default_intermediates(dtype):
     """What the GPU stages pass through memory by default: bfloat16 for 16-bit inputs (their outputs
     round to 8 bits; 1.10x faster on the H200), float32 otherwise."""
@@ -205,7 +212,7 @@ def chunk_kda(
         raise ValueError(f"gate_lower_bound must be in [-5, 0] (None for unbounded gates), got {gate_lower_bound}")
     mosaic_ok = kind == "gpu" and prefill_mgpu.supported(K, V, chunk_size, store)
     if recurrence is None:
-        recurrence = "mosaic_gpu" if mosaic_ok and block_v is None else "triton"
+        recurrence = default_recurrence(K, V, chunk_size, store, block_v) if kind == "gpu" else "triton"
     if recurrence not in ("triton", "mosaic_gpu"):
         raise ValueError(f"recurrence must be 'triton' or 'mosaic_gpu', got {recurrence!r}")
     if recurrence == "mosaic_gpu" and not mosaic_ok:

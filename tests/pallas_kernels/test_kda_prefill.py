@@ -273,28 +273,26 @@ def _export(backend, platform, device, K=128, V=128, **kw):
 
 def test_kernels_lower_for_tpu_and_gpu():
     """Mosaic accepts the TPU kernels and the Triton lowering accepts the GPU kernels (incl. the
-    segment summary pass and both stage-1 kernels) at serving shapes: bf16, K = V = 128, GVA."""
-    assert _export("tpu", "tpu", AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")).count(
-        "tpu_custom_call") >= 2
+    segment summary pass and both stage-1 kernels) at serving shapes: bf16, K = V = 128, GVA;
+    and both at K = V = 256 (where the GPU recurrence falls back to Triton: the Mosaic GPU one
+    takes K <= 128)."""
+    tpu = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    assert _export("tpu", "tpu", tpu).count("tpu_custom_call") >= 2
+    assert _export("tpu", "tpu", tpu, K=256, V=256).count("tpu_custom_call") >= 2
+    module = _export("gpu", "cuda", H200, K=256, V=256)
+    assert module.count("xla.gpu.triton") == 6 and module.count("mosaic_gpu_v2") == 0
     assert _export("gpu", "cuda", H200, recurrence="triton").count("xla.gpu.triton") >= 5
     fast = dict(intermediate_dtype=jnp.bfloat16, gate_lower_bound=-5.0, recurrence="triton")  # the opt-in variants
     assert _export("gpu", "cuda", H200, **fast).count("xla.gpu.triton") >= 5
 
 
 def test_head_dim_256(run):
-    """K = V = 256: float32 against the recurrence (a chunk and a partial one, initial state), and
-    both lowerings at that size (the GPU recurrence falls back to Triton: the Mosaic GPU one takes
-    K <= 128)."""
+    """K = V = 256: float32 against the recurrence (a chunk and a partial one, initial state); the
+    lowerings at that size are in :func:`test_kernels_lower_for_tpu_and_gpu`."""
     x = kda_inputs(4, 1, 80, 1, 1, 256, 256, lower_bound=-5.0)
     h0 = random_state(4, (1, 1, 256, 256))
     o, s = prefill.chunk_kda(*x, initial_state=h0, **run)
     o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
     assert_close(o, o_r, "f32_out")
     assert_close(s, s_r, "f32_state")
-    if run["backend"] == "tpu":
-        tpu = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-        assert _export("tpu", "tpu", tpu, K=256, V=256).count("tpu_custom_call") >= 2
-    elif run["interpret"]:
-        module = _export("gpu", "cuda", H200, K=256, V=256)
-        assert module.count("xla.gpu.triton") == 6 and module.count("mosaic_gpu_v2") == 0
 

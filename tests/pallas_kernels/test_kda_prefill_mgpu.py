@@ -118,18 +118,16 @@ def test_summary_mode_matches_the_triton_kernel(block_v, interpret):
     assert not np.any(np.asarray(got[1, :, :, K:]))
 
 
-def _chunk_kda_matches_the_references(cu, x, h0, variants):
-    """``chunk_kda`` with 64-token checkpoints and 2 segments, once per keyword set in
-    ``variants``: bf16 outputs, final states and checkpoints within bf16 tolerance of the
-    references (computed once)."""
+def _chunk_kda_matches_the_references(cu, x, h0, **kw):
+    """``chunk_kda(**kw)`` with 64-token checkpoints and 2 segments: bf16 outputs, final states and
+    checkpoints within bf16 tolerance of the references."""
     o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
     _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
-    for kw in variants:
-        o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2, **kw)
-        assert o.dtype == jnp.bfloat16
-        assert_close(o, o_r, "bf16")
-        assert_close(s, s_r, "bf16")
-        assert_close(ck, ck_r, "bf16")
+    o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2, **kw)
+    assert o.dtype == jnp.bfloat16
+    assert_close(o, o_r, "bf16")
+    assert_close(s, s_r, "bf16")
+    assert_close(ck, ck_r, "bf16")
 
 
 def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
@@ -138,7 +136,7 @@ def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
     recurrence); against the references within bf16 tolerance."""
     x = kda_inputs(5, 1, 264, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16)
     _chunk_kda_matches_the_references(jnp.array([0, 200, 264], jnp.int32), x, random_state(5, (2, 2, 64, 64)),
-                                      [dict(recurrence="mosaic_gpu", **gpu_run)])
+                                      recurrence="mosaic_gpu", **gpu_run)
 
 
 def test_initial_state_hook_with_the_mosaic_recurrence(gpu_run):
@@ -207,9 +205,8 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
     whole number of chunks), GVA, initial states, 64-token checkpoints, 2 segments, with either
     recurrence (Triton's in the slow run); against the references within bf16 tolerance."""
     x = kda_inputs(5, 1, 228, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16, gate_scale=4.0)
-    _chunk_kda_matches_the_references(
-        jnp.array([0, 100, 228], jnp.int32), x, random_state(5, (2, 2, 64, 64)),
-        [dict(gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence, **gpu_run)])
+    _chunk_kda_matches_the_references(jnp.array([0, 100, 228], jnp.int32), x, random_state(5, (2, 2, 64, 64)),
+                                      gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence, **gpu_run)
 
 
 def test_the_mosaic_recurrence_lowers_for_the_h200():

@@ -230,33 +230,36 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
     zero = jnp.zeros((SUB, SUB), _F32)
 
-    def products(cols, diag):
-        """``q k^T`` and ``k k^T`` of rows ``rows`` against ``cols``; on the diagonal block, unless
-        bounded, also the deepest gate descent below the anchor (elementwise over the K slices)."""
-        capped = diag and not bounded
-
-        def k_slice(p, A):
-            ks = pl.ds(pl.multiple_of(p * kb, kb), kb)
-            anchor = G_ref[pl.ds(start, 1), ks]
-            down = G_ref[rows, ks] - anchor
-            to_anchor = _exp(down)
-            up = anchor - G_ref[cols, ks]
-            k_anc = k_ref[cols, ks].astype(_F32) * _exp(jnp.minimum(up, _SPAN_SAFE) if capped else up)
-            return (A[0] + _dot_nt(q_ref[rows, ks].astype(_F32) * to_anchor, k_anc, precision),
-                    A[1] + _dot_nt(k_ref[rows, ks].astype(_F32) * to_anchor, k_anc, precision),
-                    *(jnp.minimum(m, down) for m in A[2:]))
-
-        lowest = (jnp.zeros((SUB, kb), _F32),) if capped else ()
-        return jax.lax.fori_loop(0, K // kb, k_slice, (zero, zero, *lowest))
-
     bi = beta_ref[rows, :].astype(_F32)
+    nk = K // kb
+    capped = not bounded
 
-    def earlier(j, carry):
+    # One loop over (column block j <= i, K slice) pairs, so the pipelined loads run ahead across
+    # blocks (nested loops, a K loop per block, took 8% longer); block j's sums are stored after its
+    # last slice, and the carry leaves the loop with the diagonal block's. Unless bounded, the
+    # diagonal block's column factor is capped and the deepest gate descent below the anchor is
+    # kept elementwise.
+    def step(t, A):
+        j, p = jax.lax.div(t, nk), jax.lax.rem(t, nk)
         cols = block(j)
-        Aq, Ak = products(cols, False)
-        aqk_ref[:, cols] = (scale * Aq).astype(aqk_ref.dtype)
-        n_ref[:, cols] = bi * Ak
-        return carry
+        ks = pl.ds(pl.multiple_of(p * kb, kb), kb)
+        Aq, Ak = (jnp.where(p == 0, 0.0, X) for X in A[:2])
+        anchor = G_ref[pl.ds(start, 1), ks]
+        down = G_ref[rows, ks] - anchor
+        to_anchor = _exp(down)
+        up = anchor - G_ref[cols, ks]
+        if capped:
+            up = jnp.where(j == i, jnp.minimum(up, _SPAN_SAFE), up)
+        k_anc = k_ref[cols, ks].astype(_F32) * _exp(up)
+        Aq = Aq + _dot_nt(q_ref[rows, ks].astype(_F32) * to_anchor, k_anc, precision)
+        Ak = Ak + _dot_nt(k_ref[rows, ks].astype(_F32) * to_anchor, k_anc, precision)
+
+        @pl.when((p == nk - 1) & (j < i))
+        def _():
+            aqk_ref[:, cols] = (scale * Aq).astype(aqk_ref.dtype)
+            n_ref[:, cols] = bi * Ak
+
+        return (Aq, Ak, *(jnp.minimum(m, down) for m in A[2:]))
 
     def later(j, carry):
         cols = block(j)
@@ -264,9 +267,9 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         n_ref[:, cols] = zero
         return carry
 
-    jax.lax.fori_loop(0, i, earlier, 0)
     jax.lax.fori_loop(i + 1, C // SUB, later, 0)
-    Aq, Ak, *down = products(rows, True)
+    lowest = (jnp.zeros((SUB, kb), _F32),) if capped else ()
+    Aq, Ak, *down = jax.lax.fori_loop(0, (i + 1) * nk, step, (zero, zero, *lowest))
     if not bounded:
         def exact(A):
             redo = jnp.max(G_ref[pl.ds(start, 1), :] - G_ref[rows, :], axis=1, keepdims=True) > _SPAN_SAFE
@@ -375,7 +378,8 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     ``bounded``: see :func:`_rows_body`. ``rows_compiler_params`` and ``inverse_compiler_params``
     are kernels A's and B's (one warp each: their ``[16, 16]`` products replicate across warps;
     kernel B on 1 warp took 168 us at B1 T32k H32 on the H200, 2 warps 240, 4 warps 408; kernel
-    A's K loop pipelined in 2 stages 1589 us, 1 stage 1782, 3 stages 1989),
+    A's loop pipelined in 2 stages 1589 us, 1 stage 1782, 3 stages 1989 when it was nested, and
+    flat at B1 T131k H12 with K3 gates 2106 us in 2 stages, 2423 in 3),
     ``compiler_params`` the other kernels'. ``rows_call``: another kernel A,
     ``rows_call(q, k, G, beta) -> (qg, Aqk, N)`` with ``N`` strictly lower including the diagonal
     blocks (kernel B then inverts them), e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`.

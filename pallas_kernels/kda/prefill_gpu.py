@@ -96,6 +96,8 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
     the outputs, each virtual sequence's final state, and checkpoint slot ``ck_slot[c]`` written
     after chunk ``c`` when ``>= 0`` (others untouched, so unwritten slots hold garbage); or
     ``f32[Nv, HV, K, K + V]`` (``[M | E]``) when ``summary``. The recurrence runs in float32.
+    ``num_stages`` applies up to K = 128; wider keys run one stage (three asked for 560 KB of
+    shared memory at K = V = 256 in float32 on the H200, which has 227 KB).
     """
     qg, kdT, W, U, Aqk, decay = prep
     HV, TT, K = W.shape
@@ -116,7 +118,7 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
         functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else precision, e_init=e_init),
         grid=(Nv, HV, width // BV),
         out_shape=out_shape,
-        compiler_params=None if interpret else params(num_warps, num_stages),
+        compiler_params=None if interpret else params(num_warps, num_stages if K <= 128 else 1),
         interpret=interpret,
     )(vstart, vend, ck_slot, kdT, W, U, decay, init, qg, Aqk)
     return outs[0] if summary else tuple(outs)

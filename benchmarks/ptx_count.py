@@ -8,6 +8,7 @@ static count x warps x programs gave 481 M against 462 M executed in Nsight Comp
 This is a proxy for issue-bound kernels, not a timing: speed is claimed only from a device run.
 
     python -m benchmarks.ptx_count prefill            # kernels A, B, the scan and the outputs
+    python -m benchmarks.ptx_count prefill_bounded    # the same with K3 gates (gate_lower_bound=-5)
     python -m benchmarks.ptx_count verify --lines     # plus instructions per source line
     python -m benchmarks.ptx_count verify_deltas --tiling 16:1   # block_v 16 on one warp
 """
@@ -137,12 +138,12 @@ def compile_ptx(module: str, num_warps: int, num_stages: int) -> dict:
                 spill_bytes=int(spills.group(1)) if spills else None, shared_bytes=kernel.metadata.shared)
 
 
-def _prefill_case(B=1, T=1024, H=2, K=128, V=128, num_segments=1):
+def _prefill_case(B=1, T=1024, H=2, K=128, V=128, num_segments=1, **kw):
     spec = jax.ShapeDtypeStruct
     args = (spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, K), jnp.bfloat16), spec((B, T, H, V), jnp.bfloat16),
             spec((B, T, H, K), jnp.float32), spec((B, T, H), jnp.bfloat16))
     return functools.partial(prefill.chunk_kda, backend="gpu", interpret=False, num_segments=num_segments,
-                             recurrence="triton"), args
+                             recurrence="triton", **kw), args
 
 
 def _window_case(mode, T, B=4, H=2, K=128, V=128, **tiling):
@@ -158,6 +159,7 @@ def _window_case(mode, T, B=4, H=2, K=128, V=128, **tiling):
 CASES = {
     "prefill": _prefill_case,
     "prefill_segments": lambda: _prefill_case(num_segments=3),  # + the summary pass, recurrence at block_v 64
+    "prefill_bounded": lambda: _prefill_case(gate_lower_bound=-5.0),  # K3 gates: kernel A without the span check
     "verify": lambda **t: _window_case(_window.VERIFY, 8, **t),
     "verify_deltas": lambda **t: _window_case(_window.VERIFY_DELTAS, 8, **t),
     "commit": lambda **t: _window_case(_window.COMMIT, 8, **t),

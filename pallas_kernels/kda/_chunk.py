@@ -232,7 +232,6 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
 
     bi = beta_ref[rows, :].astype(_F32)
     nk = K // kb
-    capped = not bounded
 
     # One loop over (column block j <= i, K slice) pairs, so the pipelined loads run ahead across
     # blocks (nested loops, a K loop per block, took 8% longer); block j's sums are stored after its
@@ -248,7 +247,7 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         down = G_ref[rows, ks] - anchor
         to_anchor = _exp(down)
         up = anchor - G_ref[cols, ks]
-        if capped:
+        if not bounded:
             up = jnp.where(j == i, jnp.minimum(up, _SPAN_SAFE), up)
         k_anc = k_ref[cols, ks].astype(_F32) * _exp(up)
         Aq = Aq + _dot_nt(q_ref[rows, ks].astype(_F32) * to_anchor, k_anc, precision)
@@ -268,8 +267,8 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         return carry
 
     jax.lax.fori_loop(i + 1, C // SUB, later, 0)
-    lowest = (jnp.zeros((SUB, kb), _F32),) if capped else ()
-    Aq, Ak, *down = jax.lax.fori_loop(0, (i + 1) * nk, step, (zero, zero, *lowest))
+    lowest = () if bounded else (jnp.zeros((SUB, kb), _F32),)
+    Aq, Ak, *lowest = jax.lax.fori_loop(0, (i + 1) * nk, step, (zero, zero, *lowest))
     if not bounded:
         def exact(A):
             redo = jnp.max(G_ref[pl.ds(start, 1), :] - G_ref[rows, :], axis=1, keepdims=True) > _SPAN_SAFE
@@ -277,7 +276,7 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
 
         # Whether any row needs it: one scalar from an elementwise minimum over the K slices (a
         # per-row reduction up front cost 9% of the kernel); the per-row test runs in the branch.
-        deepest = jnp.min(jnp.min(down[0], axis=1), axis=0)
+        deepest = jnp.min(jnp.min(lowest[0], axis=1), axis=0)
         Aq, Ak = jax.lax.cond(deepest < -_SPAN_SAFE, exact, lambda A: A, (Aq, Ak))
     aqk_ref[:, rows] = (scale * jnp.where(c16 <= r16, Aq, 0.0)).astype(aqk_ref.dtype)
     n_ref[:, rows] = zero

@@ -3,7 +3,9 @@
 one number, this says which stage the time goes to on each side.
 
 Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (fla-core 0.6.0
-importable). Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
+importable; ``--no-fla`` times ours only). ``--segments 4,5`` and ``--block-v 32,64`` time each
+segment count and Mosaic GPU ``block_v`` (default: the planner's and the kernel's defaults).
+Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
 per call. Writes ``$OUT/kernel_profile.json``.
 """
 
@@ -43,21 +45,34 @@ def main():
     ap.add_argument("--shapes", default="1,32768,32", help="B,T,H;B,T,H;...")
     ap.add_argument("--k3-gates", action="store_true",
                     help="K3 gates (lower bound -5), ours told so (gate_lower_bound=-5: no span check)")
+    ap.add_argument("--segments", default="", help="comma-separated segment counts (default: the planner's)")
+    ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
+    ap.add_argument("--no-fla", action="store_true", help="time ours only")
     a = ap.parse_args()
     rows = []
     bound = -5.0 if a.k3_gates else None
-    ours_fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound))
+    options = lambda text: [int(x) for x in text.split(",")] if text else [None]
+    variants = [(P, bv) for P in options(a.segments) for bv in options(a.block_v)]
+    us = lambda table: {k: v * 1e6 for k, v in table.items()}
     for shape in a.shapes.split(";"):
         B, T, H = map(int, shape.split(","))
         xs = inputs(1, B, T, H, lower_bound=bound)
-        ours = kernel_seconds(lambda: ours_fn(*xs), STEPS)
-        theirs = fla_kernel_seconds(xs)
-        rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "ours_us": {k: v * 1e6 for k, v in ours.items()},
-                     "fla_us": {k: v * 1e6 for k, v in theirs.items()}})
-        print(f"\nB={B} T={T} H={H}: ours {sum(ours.values()) * 1e6:.0f} us, fla {sum(theirs.values()) * 1e6:.0f} us")
-        for side, table in (("ours", ours), ("fla", theirs)):
+        def show(side, table):
+            print(f"\nB={B} T={T} H={H} {side}: {sum(table.values()) * 1e6:.0f} us", flush=True)
             for name, t in sorted(table.items(), key=lambda kv: -kv[1]):
-                print(f"  {side:4} {t * 1e6:9.1f} us  {name[:90]}")
+                print(f"  {t * 1e6:9.1f} us  {name[:90]}", flush=True)
+
+        for P, bv in variants:
+            fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
+                                           recurrence=bv and "mosaic_gpu"))
+            ours = kernel_seconds(lambda: fn(*xs), STEPS)
+            show(f"ours P={P or 'plan'} block_v={bv or 'default'}", ours)
+            rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "segments": P, "block_v": bv,
+                         "ours_us": us(ours)})
+        if not a.no_fla:
+            theirs = fla_kernel_seconds(xs)
+            show("fla", theirs)
+            rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "fla_us": us(theirs)})
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind}
     write_json({"meta": meta, "rows": rows}, "kernel_profile.json")
 

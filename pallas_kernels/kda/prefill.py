@@ -29,28 +29,53 @@ _F32 = jnp.float32
 
 
 def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, num_cores=None, min_chunks=16,
-                  summary_paid=False, recurrence="triton"):
+                  summary_paid=False, recurrence="triton", K=None):
     """Segments per sequence for the recurrent stage.
 
     GPU: one program per (segment, head, column block); ``chunk_kda`` runs split sequences at
     ``block_v = 64``. Segments add a summary pass (over ``K + V`` columns) and a fold, and pay off
-    when ``P x programs`` fills the SMs: ``P = num_cores // programs``, used from ``P = 3`` (on the
-    H200 with bf16 recurrence operands: H = 12, T = 131072, 24 programs, P = 5 took 10.19 ms
-    against 12.04 unsplit; H = 4, P = 16 took 3.51 ms). When the summary pass runs anyway
-    (``summary_paid``: an ``initial_state_fn``, as KCP passes), segments cost only their fold, so
-    ``P`` fills the cores: ``P x programs >= num_cores`` (P = 3 per rank at H = 32: KCP 1.81x on two
-    H200s at T = 131072). Segments keep at least ``min_chunks`` chunks. ``recurrence="mosaic_gpu"``
-    (its CTAs cover 64 columns, as ``block_v`` here) splits from ``P = 2``: on the H200 at H = 32
-    (64 CTAs) P = 2 took B1 T32k 3.60 ms of kernel time against 3.64 unsplit and T131k 14.08
-    against 14.33 (P = 3: 3.84, 14.98). TPU: 1 (its one or two cores are filled by heads).
+    when ``P x programs`` fills the SMs. Triton recurrence: ``P = num_cores // programs``, used
+    from ``P = 3`` (on the H200 with bf16 recurrence operands: H = 12, T = 131072, 24 programs,
+    P = 5 took 10.19 ms against 12.04 unsplit; H = 4, P = 16 took 3.51 ms).
+    ``recurrence="mosaic_gpu"`` (one CTA of 64 columns per SM, all of a pass's CTAs equally long)
+    minimises :func:`mosaic_segment_cost`, the waves of both passes over ``P``. On the H200 it
+    tracked the measured recurrent stage within 3% at H = 12, T = 131072 for P = 3 to 6 (P = 4:
+    1.31 ms, P = 5: 1.51, whose summary pass takes two waves) and picks P = 2 at H = 32.
+    When the summary pass runs anyway (``summary_paid``: an ``initial_state_fn``, as KCP
+    passes), segments cost only their fold, so ``P`` fills the cores: ``P x programs >=
+    num_cores`` (P = 3 per rank at H = 32: KCP 1.81x on two H200s at T = 131072). Segments keep at
+    least ``min_chunks`` chunks. TPU: 1 (its one or two cores are filled by heads).
     """
     if backend not in ("gpu", "cuda", "rocm"):
         return 1
     num_cores = num_cores or gpu_core_count()
+    most = max(max_chunks // min_chunks, 1)
+    if recurrence == "mosaic_gpu" and not summary_paid:
+        cost = partial(mosaic_segment_cost, num_seqs, num_heads, K or V, V, max_chunks, num_cores=num_cores)
+        return min(range(1, most + 1), key=lambda P: (cost(P), P))
     programs = gpu_programs(num_seqs, num_heads, V, block_v)
     P = -(-num_cores // programs) if summary_paid else num_cores // programs
-    P = min(P, max_chunks // min_chunks)
+    P = min(P, most)
     return P if P >= (2 if summary_paid or recurrence == "mosaic_gpu" else 3) else 1
+
+
+# A summary-pass chunk against a recurrence chunk on the H200 (no outputs: two products of four):
+# 0.80 at H = 12, T = 131072, P = 4 (580 against 728 us over 512 chunks), 0.74 at H = 32, P = 2.
+_SUMMARY_STEP = 0.8
+# What a wave of CTAs pays besides its chunks (the state in and out, the first loads), in chunks.
+_WAVE_START = 4
+
+
+def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores):
+    """The Mosaic GPU recurrent stage's time for ``P`` segments of sequences of ``chunks`` chunks,
+    in recurrence chunk steps: each pass takes ``ceil(CTAs / cores)`` waves of ``chunks / P``
+    steps (plus :data:`_WAVE_START`). The summary pass runs the first segment's E columns (V), the
+    middle segments' M and E (K + V) and not the last segment (``chunk_kda`` without an
+    ``initial_state_fn``)."""
+    per = lambda cols: num_seqs * num_heads * -(-cols // 64)
+    waves = lambda ctas: -(-ctas // num_cores)
+    summary = 0 if P == 1 else waves(per(V) + (P - 2) * per(K + V))
+    return (waves(P * per(V)) + _SUMMARY_STEP * summary) * (chunks / P + _WAVE_START)
 
 
 def gpu_programs(rows, num_heads, V, block_v):
@@ -176,7 +201,7 @@ def chunk_kda(
       recurrence: GPU: the recurrent stage's kernel, "mosaic_gpu"
         (:mod:`pallas_kernels.kda.prefill_mgpu`: WGMMA products with bf16 operands; needs
         bfloat16 intermediates, chunk 64, K in (64, 128), V a multiple of 64; ``block_v`` is then
-        the state columns per warpgroup, 32 (the default: two warpgroups per CTA) or 64, in both
+        the state columns per warpgroup, 64 (the default: one warpgroup per CTA) or 32 (two), in both
         passes; ``num_warps``, ``num_stages``, ``summary_block_v`` and ``scan_precision`` are the
         Triton kernel's and do not apply) or "triton" (the Pallas Triton lowering). None: Mosaic
         GPU where it applies and no ``block_v`` is given, else Triton. On the H200 (2026-12-01,
@@ -259,7 +284,7 @@ def chunk_kda(
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
                         num_warps=prep_num_warps, store_dtype=store, bounded=gate_lower_bound is not None,
                         interpret=interpret, kernel=prep_kernel)
-        P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu",
+        P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", K=K,
                                           summary_paid=initial_state_fn is not None, recurrence=recurrence)
         if recurrence == "mosaic_gpu":
             # State columns per warpgroup, the same in the summary pass.

@@ -250,7 +250,12 @@ def test_bad_arguments_are_rejected():
 def test_plan_segments():
     plan = partial(prefill.plan_segments, V=128, max_chunks=2048, backend="gpu", num_cores=132)
     assert plan(1, 32) == 1  # 64 programs: heads already fill the device
-    assert plan(1, 32, recurrence="mosaic_gpu") == 2 and plan(1, 48, recurrence="mosaic_gpu") == 1  # from P = 2
+    mosaic = partial(plan, recurrence="mosaic_gpu")
+    assert mosaic(1, 32) == 2 and mosaic(1, 48) == 1 and mosaic(8, 32, max_chunks=64) == 1
+    # H = 12: P = 5 fills the SMs in the recurrence (120 CTAs) but its summary pass needs 168: two waves.
+    assert mosaic(1, 12) == 4 and mosaic(1, 4) == 16 and mosaic(1, 4, max_chunks=64) == 4
+    cost = partial(prefill.mosaic_segment_cost, 1, 12, 128, 128, 2048, num_cores=132)
+    assert cost(5) == (1 + 0.8 * 2) * (2048 / 5 + 4) and cost(4) == (1 + 0.8) * (512 + 4) and cost(1) == 2048 + 4
     assert plan(1, 4) == 16 and plan(1, 12) == 5 and plan(1, 4, block_v=32) == 8  # fill the 132 SMs
     assert plan(1, 12, block_v=32) == 1  # 2 segments for 48 programs: not worth the summary pass
     assert plan(1, 4, max_chunks=32) == 1  # too short to split

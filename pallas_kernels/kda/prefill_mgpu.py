@@ -4,11 +4,11 @@ of :func:`pallas_kernels.kda.prefill_gpu.scan_call` for bfloat16 intermediates.
 One CTA per ``(virtual sequence, HV, V / 64)`` loops over the sequence's chunks; each of its
 ``64 / block_v`` warpgroups keeps ``f32[K, block_v]`` of the state in registers (the WGMMA
 accumulator layout). Per chunk, TMA brings W, qg, Aqk, kd^T and the decay into shared memory
-once for the CTA (its warpgroups share them) and each warpgroup's U columns, double-buffered:
-chunk ``c + 1``'s copies are issued before chunk ``c``'s work, and a slot is refilled only once
-every warpgroup has released it. Two warpgroups of 32 columns would give each SM two independent
-dependency chains in the same shared memory (193 KB at K = 128); one of 64 (the default) was 1-2%
-faster on the H200. The state goes to
+once for the CTA (its warpgroups share them) and each warpgroup's U columns, double-buffered
+(three slots in summary mode): chunk ``c + 1``'s copies (``c + 2``'s) are issued before chunk
+``c``'s work, and a slot is refilled only once every warpgroup has released it. Two warpgroups
+of 32 columns give each SM two independent dependency chains in the same shared memory (193 KB
+at K = 128); one of 64 (the default) was 1-2% faster on the H200. The state goes to
 shared memory as bfloat16 (the operand of ``W S`` and ``qg S``) and so does ``V_new = U - W S``
 (of ``Aqk V_new`` and ``kd^T V_new``); the four products run on the tensor cores (WGMMA, bf16
 operands, f32 accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state
@@ -109,15 +109,19 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             (lambda c: qg_ref.at[h, rows_of(c)], (C, K), _BF16, True),
             (lambda c: aqk_ref.at[h, rows_of(c)], (C, C), _BF16, True),
         ]
+    # Input slots: chunk c + slots - 1's copies are issued before chunk c's work. Three in summary
+    # mode (no qg, Aqk: 177 KB of shared memory at K = 128; 1-2% faster there than two on the
+    # H200), two otherwise (193 KB).
+    slots = 3 if summary else 2
     # Swizzled buffers take the swizzle of a row of the warpgroup's columns in their dtype: every
     # bf16 operand the same (64 bytes at 32 columns, 128 at 64).
     smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(
         shape, dtype, transforms=_swizzled(dtype, min(128, BW * jnp.dtype(dtype).itemsize)) if swizzled else ())
     scratch = dict(
-        bufs=[smem((2, *shape), dtype, sw) for _, shape, dtype, sw in shared],
-        u_bufs=smem((2, wgs, C, BW), _BF16),
-        ready=plgpu.Barrier(num_arrivals=len(shared) + wgs, num_barriers=2),
-        consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
+        bufs=[smem((slots, *shape), dtype, sw) for _, shape, dtype, sw in shared],
+        u_bufs=smem((slots, wgs, C, BW), _BF16),
+        ready=plgpu.Barrier(num_arrivals=len(shared) + wgs, num_barriers=slots),
+        consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
         s_all=smem((wgs, K, BW), _BF16),
         vn_all=smem((wgs, C, BW), _BF16),
         st_all=smem((wgs, K, BW), _F32, False),
@@ -134,7 +138,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
 
             @pl.when(wg == 0)
             def _():
-                @pl.when(c - 2 >= lo)
+                @pl.when(c - slots >= lo)
                 def _():
                     plgpu.barrier_wait(consumed.at[slot])
 
@@ -168,16 +172,17 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
         else:
             S0 = load_state(init_ref.at[s, h, :, cols])
 
-        @pl.when(lo < hi)
-        def _():
-            issue(lo, 0)
+        for ahead in range(slots - 1):
+            @pl.when(lo + ahead < hi)
+            def _():
+                issue(lo + ahead, ahead)
 
         def chunk(c, S):
-            slot = lax.rem(c - lo, 2)
+            slot = lax.rem(c - lo, slots)
 
-            @pl.when(c + 1 < hi)
+            @pl.when(c + slots - 1 < hi)
             def _():
-                issue(c + 1, 1 - slot)
+                issue(c + slots - 1, lax.rem(c + slots - 1 - lo, slots))
 
             plgpu.barrier_wait(ready.at[slot])
             w, kdT, decay, *qa = (buf.at[slot] for buf in bufs)
@@ -209,11 +214,11 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
         S = lax.fori_loop(lo, hi, chunk, S0)
 
         @pl.when(wg == 0)
-        def _():  # observe the last two chunks' releases as well: no barrier is left mid-phase
-            for back in (2, 1):
+        def _():  # observe the last chunks' releases as well: no barrier is left mid-phase
+            for back in range(slots, 0, -1):
                 @pl.when(hi - back >= lo)
                 def _():
-                    plgpu.barrier_wait(consumed.at[lax.rem(hi - back - lo, 2)])
+                    plgpu.barrier_wait(consumed.at[lax.rem(hi - back - lo, slots)])
 
         store_state(S, final_ref.at[s, h, :, cols])
         plgpu.wait_smem_to_gmem(0)

@@ -26,7 +26,7 @@ from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_
 from tests.pallas_kernels.test_kda_prefill import H200, _export
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
-HV, K, V, C, NC = 2, 64, 128, 64, 4  # two value column blocks per head
+HV, K, V, C, NC = 2, 64, 128, 64, 5  # two value column blocks per head
 
 
 @pytest.fixture(params=[pytest.param(INTERPRET, id="interpret"),
@@ -78,13 +78,13 @@ def _bf16(x):
 
 @pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
 def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
-    """Three virtual sequences (one chunk, none, three), initial states, checkpoints after chunks
-    0 and 2: outputs, final states and checkpoints match the replay with bf16 operands, closer
+    """Three virtual sequences (one chunk, none, four: input slots refilled), initial states,
+    checkpoints after chunks 0 and 2: outputs, final states and checkpoints match the replay with bf16 operands, closer
     than the float32-operand replay does (the rounding is the kernel's), with no race (two
     warpgroups share a CTA's inputs, or one per CTA)."""
     prep = _prep(0)
-    vstart, vend = np.array([0, 1, 1], np.int32), np.array([1, 1, 4], np.int32)
-    ck_slot = np.array([0, -1, 1, -1], np.int32)
+    vstart, vend = np.array([0, 1, 1], np.int32), np.array([1, 1, 5], np.int32)
+    ck_slot = np.array([0, -1, 1, -1, -1], np.int32)
     init = random_state(0, (3, HV, K, V))
     got = prefill_mgpu.scan_call(prep, init, jnp.asarray(vstart), jnp.asarray(vend), jnp.asarray(ck_slot),
                                  n_ck_slots=2, out_dtype=jnp.float32, block_v=block_v, interpret=interpret)
@@ -98,12 +98,13 @@ def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
 
 @pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
 def test_summary_mode_matches_the_triton_kernel(block_v, interpret):
-    """Summary mode (``[M | E]`` columns): the whole maps of two segments (1 and 3 chunks), and a
+    """Summary mode (``[M | E]`` columns): the whole maps of two segments (1 and 4 chunks), and a
     segment whose E columns start from a state with its M columns skipped (I returned): the
     Triton kernel's results (interpreted, float32 operands) within bf16 rounding; the skipped
     blocks exactly."""
     prep = _prep(1)
-    vstart, vend = jnp.array([0, 1], jnp.int32), jnp.array([1, 4], jnp.int32)  # 3 chunks: slots refilled
+    # 4 chunks: one of the summary pass's 3 input slots refilled
+    vstart, vend = jnp.array([0, 1], jnp.int32), jnp.array([1, 5], jnp.int32)
     S0 = random_state(1, (2, HV, K, V))
     for table in ([[-1, 1, 1], [-1, 1, 1]], [[1, 0, 1], [-1, 0, 0]]):
         table = jnp.array(table, jnp.int32)

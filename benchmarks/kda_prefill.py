@@ -1,7 +1,8 @@
 """The Pallas prefill kernel (pallas_kernels.kda.chunk_kda) against fla-core's chunk_kda, same process.
 
 Run on the GPU: ``python3 -m benchmarks.kda_prefill`` (fla-core 0.6.0 importable). Prints one
-JSON row per shape and writes ``$OUT/kda_prefill.json``. Speed is reported only where our bf16
+JSON row per shape and, after each, writes the rows so far to ``$OUT/kda_prefill.json`` (``--json``
+names another file, for several runs in one device call). Speed is reported only where our bf16
 output matches fla's within 1e-2 (both round to bf16). Each row also gives the time of the
 token-parallel stage alone and the planner's segment count; ``--segments`` sweeps it.
 
@@ -64,6 +65,7 @@ def main():
     ap.add_argument("--prep-kernel", default="triton",
                     help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; mosaic_gpu needs --k3-gates --diag "
                          "bounded)")
+    ap.add_argument("--json", default="kda_prefill.json", help="the file under $OUT the rows go to")
     a = ap.parse_args()
     if "bounded" in a.diag and not a.k3_gates:
         ap.error("--diag bounded needs --k3-gates")
@@ -86,6 +88,7 @@ def main():
     assert sanity["out"] <= 5e-4 and sanity["state"] <= 2e-3, sanity
 
     rows = []
+    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "sanity": sanity}
     for B, T, H in shapes:
         xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
         # The planner's P for the recurrence chunk_kda will run.
@@ -139,8 +142,7 @@ def main():
                            bound=hw["bound"], status="ok")
             rows.append(row)
             print(row, flush=True)
-    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "sanity": sanity}
-    write_json({"meta": meta, "rows": rows}, "kda_prefill.json")
+            write_json({"meta": meta, "rows": rows}, a.json)  # after every row: a later one may time out
     print(f"\n{'B':>2} {'T':>7} {'H':>3} {'P':>3} {'bv:w:s:pw:prep:im:diag:rec':>37} {'ours ms':>9} {'stage1':>8} {'fla ms':>8} {'ours/fla':>9} "
           f"{'err':>8} | b2b: {'ours':>6} {'fla':>6} {'ratio':>6} | device: {'ours':>6} {'fla':>6} {'ratio':>6}")
     for r in rows:

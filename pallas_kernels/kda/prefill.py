@@ -56,7 +56,7 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     programs = gpu_programs(num_seqs, num_heads, V, block_v)
     P = -(-num_cores // programs) if summary_paid else num_cores // programs
     P = min(P, most)
-    return P if P >= (2 if summary_paid or recurrence == "mosaic_gpu" else 3) else 1
+    return P if P >= (2 if summary_paid else 3) else 1
 
 
 # A summary-pass chunk against a recurrence chunk on the H200 (no outputs: two products of four):

@@ -79,9 +79,9 @@ def _bf16(x):
 @pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
 def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
     """Three virtual sequences (one chunk, none, four: input slots refilled), initial states,
-    checkpoints after chunks 0 and 2: outputs, final states and checkpoints match the replay with bf16 operands, closer
-    than the float32-operand replay does (the rounding is the kernel's), with no race (two
-    warpgroups share a CTA's inputs, or one per CTA)."""
+    checkpoints after chunks 0 and 2: outputs, final states and checkpoints match the replay with
+    bf16 operands, closer than the float32-operand replay does (the rounding is the kernel's),
+    with no race (two warpgroups share a CTA's inputs, or one per CTA)."""
     prep = _prep(0)
     vstart, vend = np.array([0, 1, 1], np.int32), np.array([1, 1, 5], np.int32)
     ck_slot = np.array([0, -1, 1, -1, -1], np.int32)

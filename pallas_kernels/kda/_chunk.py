@@ -379,7 +379,9 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     kernel B on 1 warp took 168 us at B1 T32k H32 on the H200, 2 warps 240, 4 warps 408; kernel
     A's loop pipelined in 2 stages 1589 us, 1 stage 1782, 3 stages 1989 when it was nested, and
     flat at B1 T131k H12 with K3 gates 2106 us in 2 stages, 2423 in 3),
-    ``compiler_params`` the other kernels'. ``rows_call``: another kernel A,
+    ``compiler_params`` the other kernels' (kernel C's slice loops in 2 stages took 1158 us at
+    B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
+    1529). ``rows_call``: another kernel A,
     ``rows_call(q, k, G, beta) -> (qg, Aqk, N)`` with ``N`` strictly lower including the diagonal
     blocks (kernel B then inverts them), e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`.
     """

@@ -121,7 +121,7 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
                          bounded=bounded, rows_call=rows,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
-                         compiler_params=params(num_warps, 1), rows_compiler_params=params(1, 2),
+                         compiler_params=params(num_warps, 2), rows_compiler_params=params(1, 2),
                          inverse_compiler_params=params(1, 1))
 
 

@@ -81,10 +81,11 @@ def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
     """Three virtual sequences (one chunk, none, four: input slots refilled), initial states,
     checkpoints after chunks 0 and 2: outputs, final states and checkpoints match the replay with
     bf16 operands, closer than the float32-operand replay does (the rounding is the kernel's),
-    with no race (two warpgroups share a CTA's inputs, or one per CTA). The compiled kernel sums its
-    products in another order than NumPy; these random maps grow such differences 5-10x a chunk
-    (on the H200 the outputs' error was 1.4e-7 in the one-chunk sequence and 1.5e-6, 8.8e-6,
-    7.5e-5, 1.4e-4 over the four-chunk one's; 7.4e-5 in all), against 1.8e-3 to 2.5e-3 between the two replays."""
+    with no race (two warpgroups share a CTA's inputs, or one per CTA). The compiled kernel sums
+    its products in another order than NumPy, and these random maps grow such differences 5-10x
+    a chunk: on the H200 the outputs' error was 1.4e-7 in the one-chunk sequence and 1.5e-6,
+    8.8e-6, 7.5e-5, 1.4e-4 over the four-chunk one's (7.4e-5 in all), against 1.8e-3 to 2.5e-3
+    between the two replays."""
     prep = _prep(0)
     vstart, vend = np.array([0, 1, 1], np.int32), np.array([1, 1, 5], np.int32)
     ck_slot = np.array([0, -1, 1, -1, -1], np.int32)

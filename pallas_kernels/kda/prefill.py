@@ -72,7 +72,7 @@ def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores):
     steps (plus :data:`_WAVE_START`). The summary pass runs the first segment's E columns (V), the
     middle segments' M and E (K + V) and not the last segment (``chunk_kda`` without an
     ``initial_state_fn``)."""
-    per = lambda cols: num_seqs * num_heads * -(-cols // 64)
+    per = lambda cols: gpu_programs(num_seqs, num_heads, cols, prefill_mgpu.BV)  # CTAs of a pass
     waves = lambda ctas: -(-ctas // num_cores)
     summary = 0 if P == 1 else waves(per(V) + (P - 2) * per(K + V))
     return (waves(P * per(V)) + _SUMMARY_STEP * summary) * (chunks / P + _WAVE_START)

@@ -2,15 +2,19 @@
 :func:`rows_call`, an alternative to the Triton kernel A of
 :func:`pallas_kernels.kda._chunk.gpu_prep_call`.
 
-One CTA (one warpgroup) per (chunk, value head). TMA brings the chunk's q, k, gate cumsum G and
-beta into shared memory. Every 16-row sub-chunk is anchored at its first row's G (as in the
-Triton kernel A), so the row factors ``exp(G_r - a)`` lie in ``[e^-75, 1]`` and the column
-factors ``exp(a - G_j)`` of the columns up to the sub-chunk's end at most ``e^75`` when every
-gate is at least -5 (normal float32 and TF32). The rows of all four sub-chunks form one
-``[64, K]`` operand each for q and beta k; per anchor ``i`` the columns form one more, and two
-tensor-core products (TF32, f32 accumulation) give ``q k^T`` and ``beta k k^T`` of which the
-rows of sub-chunk ``i`` are kept. Four 64-row products instead of ten 16 x 16 blocks: WGMMA's
-tiles have 64 rows, so each product computes three sub-chunks' rows only to drop them.
+One CTA (one warpgroup) per (chunk, value head). TMA brings the chunk's q, k, gate cumsum G (in
+64-column halves of K), each 16-row sub-chunk's anchor row of G and beta into shared memory.
+Every sub-chunk ``i`` is anchored at its first row's G, ``a_i`` (as in the Triton kernel A), so
+the row factors ``exp(G_r - a_i)`` lie in ``[e^-75, 1]`` and the column factors
+``exp(a_i - G_c)`` of the columns up to the sub-chunk's end at most ``e^75`` when every gate is
+at least -5 (normal float32 and TF32). WGMMA tiles have 64 rows, and a sub-chunk has 16, so the
+products run transposed: the chunk's 64 columns are the M side and sub-chunk ``i``'s rows the
+N = 16 side, ``(k exp(a_i - G))  (q exp(G - a_i))_i^T`` and the same with ``beta k`` (TF32,
+float32 accumulation, over the K halves): eight ``64 x 16 x K`` products per chunk, none of
+them wasted on rows that are dropped. Each result, block column ``i`` of ``Aqk^T`` and
+``Akk^T``, is moved to rows ``16 i ..`` of ``[64, 64]`` accumulators by a product with a 0/1
+placement matrix. That product reads its operand as TF32, so the value goes in as two parts,
+its top 10 mantissa bits and the exact remainder: the placed sums keep float32 accuracy.
 Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictly lower, its diagonal blocks
 included: the Triton kernel B inverts those (``_inverse_body`` without ``Xd``).
 
@@ -33,6 +37,8 @@ from pallas_kernels.kda.prefill_mgpu import _swizzled
 
 _F32 = jnp.float32
 C = 64  # chunk rows: one WGMMA row block
+HALF = 64  # K columns per pass: one 256-byte row of float32 (tile 8 x 32, 128-byte swizzle)
+NS = C // SUB
 
 
 def supported(K, chunk_size, dtype, bounded) -> bool:
@@ -44,66 +50,94 @@ def supported(K, chunk_size, dtype, bounded) -> bool:
 def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep):
     c, h = lax.axis_index("c"), lax.axis_index("h")
     K = q_ref.shape[-1]
+    nh = K // HALF
     rows = pl.ds(pl.multiple_of(c * C, C), C)
     lay = plgpu.Layout.WGMMA
     # Every tile in the WGMMA layout: the layout inference then has one choice per value.
     pin = lambda x: plgpu.layout_cast(x, lay)
     iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=lay)
+    part = lambda x: pl.ds(x * HALF, HALF)
 
-    def body(q_s, k_s, G_s, b_s, rq_s, rk_s, qg_s, aqk_s, n_s, bar):
-        for src, dst in ((q_ref.at[rows, h // rep], q_s), (k_ref.at[rows, h // rep], k_s),
-                         (G_ref.at[rows, h], G_s), (beta_ref.at[h, rows], b_s)):
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
+    def body(q_s, k_s, G_s, a_s, b_s, rq_s, rk_s, kc_s, p_s, e_s, qg_s, aqk_s, n_s, bar):
+        for x in range(nh):
+            for src, dst in ((q_ref.at[rows, h // rep, part(x)], q_s.at[x]),
+                             (k_ref.at[rows, h // rep, part(x)], k_s.at[x]), (G_ref.at[rows, h, part(x)], G_s.at[x])):
+                plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
+            for i in range(NS):  # the anchors: each sub-chunk's first row of G
+                plgpu.copy_gmem_to_smem(G_ref.at[c * C + i * SUB, h, part(x)], a_s.at[x, i], bar.at[0])
+        plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, bar.at[0])
+        r16, c16 = iota((C, SUB), 0), iota((C, SUB), 1)
+        for i in range(NS):  # placement matrices: E_i[r, t] = (r == 16 i + t)
+            e_s[i] = pin((r16 == c16 + i * SUB).astype(_F32))
         plgpu.barrier_wait(bar.at[0])
-        # Live tiles are few (each [64, K] f32 tile is 64 registers a thread): q goes once its two
-        # uses are stored, the anchors stay [K] vectors until used.
-        G = plgpu.load(G_s, layout=lay)
-        r = iota((C, K), 0)
-        sub = pin(lax.div(r, SUB))
-        # Sub-chunk i's anchor: its first row of G, picked by a reduction over the rows.
-        anchor_of = lambda i: pin(lax.broadcast_in_dim(jnp.max(jnp.where(r == i * SUB, G, -jnp.inf), axis=0),
-                                                       (C, K), [1]))
-        anchor = anchor_of(0)
-        for i in range(1, C // SUB):
-            anchor = pin(jnp.where(sub == i, anchor_of(i), anchor))
-        e = pin(_exp(G - anchor))
-        q = plgpu.load(q_s, layout=lay).astype(_F32)
-        rq_s[...] = pin(q * e)
-        qg_s[...] = (scale * q * _exp(G)).astype(qg_s.dtype)
-        k = plgpu.load(k_s, layout=lay).astype(_F32)
-        beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, K), [0]))
-        rk_s[...] = pin(beta * k * e)
+        sub = pin(lax.div(iota((C, HALF), 0), SUB))
+        beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, (), layout=lay.reduce(1)), (C, HALF), [0]))
+
+        def products(*accs):
+            """Block column ``i`` of ``Aqk^T`` and ``Akk^T`` into ``accs[i]`` and ``accs[NS + i]``."""
+            for x in range(nh):
+                G = plgpu.load(G_s.at[x], (), layout=lay)
+                anchors = [pin(lax.broadcast_in_dim(plgpu.load(a_s.at[x, i], (), layout=lay.reduce(0)), (C, HALF),
+                                                    [1])) for i in range(NS)]
+                anchor = anchors[NS - 1]
+                for i in range(NS - 2, -1, -1):
+                    anchor = pin(jnp.where(sub == i, anchors[i], anchor))
+                e = pin(_exp(G - anchor))
+                q = pin(plgpu.load(q_s.at[x], (), layout=lay).astype(_F32))
+                qg_s[x] = pin((scale * q * _exp(G)).astype(qg_s.dtype))
+                rq_s[...] = pin(q * e)
+                k = pin(plgpu.load(k_s.at[x], (), layout=lay).astype(_F32))
+                rk_s[...] = pin(beta * k * e)
+                for i in range(NS):
+                    keep = sub <= i  # columns up to sub-chunk i's end; later ones zero before exp
+                    kc_s[...] = pin(jnp.where(keep, k * _exp(pin(jnp.where(keep, anchors[i] - G, 0.0))), 0.0))
+                    plgpu.commit_smem()
+                    block = pl.ds(i * SUB, SUB)
+                    plgpu.wgmma(accs[i], kc_s, rq_s.at[block].T)
+                    plgpu.wgmma(accs[NS + i], kc_s, rk_s.at[block].T)
+                    plgpu.wgmma_wait(0)  # before kc_s (and, after the last i, rq_s and rk_s) is rewritten
+            return [a[...] for a in accs]
+
+        P = pl.run_scoped(products, *[plgpu.ACC((C, SUB), _F32) for _ in range(2 * NS)])
+
+        def place(acc_q, acc_k):
+            """``acc[16 i + t, c] = P_i[c, t]``: ``E_i P_i^T``, P_i in two TF32-exact parts."""
+            for i in range(NS):
+                for which in range(2):
+                    p = P[which * NS + i]  # [c, t]: row 16 i + t's products with column c
+                    bits = pin(lax.bitcast_convert_type(p, jnp.int32) & jnp.int32(-8192))  # 10 mantissa bits
+                    hi = pin(lax.bitcast_convert_type(bits, _F32))
+                    p_s[which, 0] = hi
+                    p_s[which, 1] = pin(p - hi)
+                plgpu.commit_smem()
+                for which, acc in ((0, acc_q), (1, acc_k)):
+                    for part_ in range(2):
+                        plgpu.wgmma(acc, e_s.at[i], p_s.at[which, part_].T)
+                plgpu.wgmma_wait(0)
+            return acc_q[...], acc_k[...]
+
+        aq, ak = pl.run_scoped(place, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
         r2, c2 = iota((C, C), 0), iota((C, C), 1)
-        sub2 = pin(lax.div(r2, SUB))
-        aq = ak = pin(jnp.zeros((C, C), _F32))
-        for i in range(C // SUB):
-            # G's buffer (G is in registers) takes the columns; those past sub-chunk i are selected
-            # away before their exponent can overflow.
-            up = pin(jnp.where(sub <= i, anchor_of(i) - G, 0.0))
-            G_s[...] = pin(jnp.where(sub <= i, k * _exp(up), 0.0))
-            plgpu.commit_smem()
-
-            def products(acc_q, acc_k):
-                plgpu.wgmma(acc_q, rq_s, G_s.T)
-                plgpu.wgmma(acc_k, rk_s, G_s.T)
-                return acc_q[...], acc_k[...]
-
-            aq_i, ak_i = pl.run_scoped(products, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
-            aq = pin(jnp.where(sub2 == i, aq_i, aq))
-            ak = pin(jnp.where(sub2 == i, ak_i, ak))
-        aqk_s[...] = (scale * jnp.where(c2 <= r2, aq, 0.0)).astype(aqk_s.dtype)
-        n_s[...] = jnp.where(c2 < r2, ak, 0.0)
+        aqk_s[...] = pin((scale * jnp.where(c2 <= r2, aq, 0.0)).astype(aqk_s.dtype))
+        n_s[...] = pin(jnp.where(c2 < r2, ak, 0.0))
         plgpu.commit_smem()
-        for src, dst in ((qg_s, qg_ref), (aqk_s, aqk_ref), (n_s, n_ref)):
-            plgpu.copy_smem_to_gmem(src, dst.at[h, rows])
+        for x in range(nh):
+            plgpu.copy_smem_to_gmem(qg_s.at[x], qg_ref.at[h, rows, part(x)])
+        plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[h, rows])
+        plgpu.copy_smem_to_gmem(n_s, n_ref.at[h, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(shape, dtype,
-                                                          transforms=_swizzled(dtype, 128) if swizzled else ())
+    # Shared memory (184 KB at K = 128 with bf16 outputs): the inputs, the anchors (unswizzled:
+    # rows loaded as vectors), beta; the operands rq, rk, kc; the two parts of two results; the
+    # placement matrices; the outputs.
     st = qg_ref.dtype
-    pl.run_scoped(body, smem((C, K), q_ref.dtype), smem((C, K), k_ref.dtype), smem((C, K), _F32),
-                  smem((C,), _F32, False), smem((C, K), _F32), smem((C, K), _F32), smem((C, K), st),
-                  smem((C, C), st), smem((C, C), _F32, False), plgpu.Barrier(num_arrivals=4, num_barriers=1))
+    smem = lambda shape, dtype, width=None: plgpu.SMEM(
+        shape, dtype, transforms=_swizzled(dtype, min(128, width * jnp.dtype(dtype).itemsize)) if width else ())
+    half_tile = lambda dtype: smem((nh, C, HALF), dtype, HALF)
+    pl.run_scoped(body, half_tile(q_ref.dtype), half_tile(k_ref.dtype), half_tile(_F32), smem((nh, NS, HALF), _F32),
+                  smem((C,), _F32), *[smem((C, HALF), _F32, HALF) for _ in range(3)],
+                  smem((2, 2, C, SUB), _F32, SUB), smem((NS, C, SUB), _F32, SUB), half_tile(st), smem((C, C), st, C),
+                  smem((C, C), _F32), plgpu.Barrier(num_arrivals=(3 + NS) * nh + 1, num_barriers=1))
 
 
 def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):

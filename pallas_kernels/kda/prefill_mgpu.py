@@ -47,9 +47,11 @@ def check_block_v(block_v):
         raise ValueError(f"block_v must be 32 or 64 for the Mosaic GPU recurrence, got {block_v}")
 
 
-def _swizzled(dtype, swizzle):
-    """SMEM transforms of a WGMMA operand: 8-row tiles of ``swizzle`` bytes, swizzled. The
-    operands of one product share one swizzle (the layout inference takes no mix)."""
+def _swizzled(dtype, width):
+    """SMEM transforms of a WGMMA operand with rows of ``width`` elements: 8-row tiles of one row's
+    bytes (at most 128), swizzled. The operands of one product share one swizzle (the layout
+    inference takes no mix)."""
+    swizzle = min(128, width * jnp.dtype(dtype).itemsize)
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
@@ -116,7 +118,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
     # Swizzled buffers take the swizzle of a row of the warpgroup's columns in their dtype: every
     # bf16 operand the same (64 bytes at 32 columns, 128 at 64).
     smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(
-        shape, dtype, transforms=_swizzled(dtype, min(128, BW * jnp.dtype(dtype).itemsize)) if swizzled else ())
+        shape, dtype, transforms=_swizzled(dtype, BW) if swizzled else ())
     scratch = dict(
         bufs=[smem((slots, *shape), dtype, sw) for _, shape, dtype, sw in shared],
         u_bufs=smem((slots, wgs, C, BW), _BF16),

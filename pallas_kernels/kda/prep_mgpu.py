@@ -111,8 +111,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                     p_s[which, 1] = pin(p - hi)
                 plgpu.commit_smem()
                 for which, acc in ((0, acc_q), (1, acc_k)):
-                    for part_ in range(2):
-                        plgpu.wgmma(acc, e_s.at[i], p_s.at[which, part_].T)
+                    for piece in range(2):  # the top bits, then the remainder
+                        plgpu.wgmma(acc, e_s.at[i], p_s.at[which, piece].T)
                 plgpu.wgmma_wait(0)
             return acc_q[...], acc_k[...]
 
@@ -131,8 +131,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     # rows loaded as vectors), beta; the operands rq, rk, kc; the two parts of two results; the
     # placement matrices; the outputs.
     st = qg_ref.dtype
-    smem = lambda shape, dtype, width=None: plgpu.SMEM(
-        shape, dtype, transforms=_swizzled(dtype, min(128, width * jnp.dtype(dtype).itemsize)) if width else ())
+    smem = lambda shape, dtype, width=None: plgpu.SMEM(shape, dtype,
+                                                       transforms=_swizzled(dtype, width) if width else ())
     half_tile = lambda dtype: smem((nh, C, HALF), dtype, HALF)
     pl.run_scoped(body, half_tile(q_ref.dtype), half_tile(k_ref.dtype), half_tile(_F32), smem((nh, NS, HALF), _F32),
                   smem((C,), _F32), *[smem((C, HALF), _F32, HALF) for _ in range(3)],

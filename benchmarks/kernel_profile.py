@@ -47,12 +47,14 @@ def main():
                     help="K3 gates (lower bound -5), ours told so (gate_lower_bound=-5: no span check)")
     ap.add_argument("--segments", default="", help="comma-separated segment counts (default: the planner's)")
     ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
+    ap.add_argument("--prep-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; "
+                    "mosaic_gpu needs --k3-gates)")
     ap.add_argument("--no-fla", action="store_true", help="time ours only")
     a = ap.parse_args()
     rows = []
     bound = -5.0 if a.k3_gates else None
     options = lambda text: [int(x) for x in text.split(",")] if text else [None]
-    variants = [(P, bv) for P in options(a.segments) for bv in options(a.block_v)]
+    variants = [(P, bv, pk) for P in options(a.segments) for bv in options(a.block_v) for pk in a.prep_kernel.split(",")]
     us = lambda table: {k: v * 1e6 for k, v in table.items()}
     for shape in a.shapes.split(";"):
         B, T, H = map(int, shape.split(","))
@@ -62,13 +64,13 @@ def main():
             for name, t in sorted(table.items(), key=lambda kv: -kv[1]):
                 print(f"  {t * 1e6:9.1f} us  {name[:90]}", flush=True)
 
-        for P, bv in variants:
+        for P, bv, pk in variants:
             fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
-                                           recurrence=bv and "mosaic_gpu"))
+                                           recurrence=bv and "mosaic_gpu", prep_kernel=pk))
             ours = kernel_seconds(lambda: fn(*xs), STEPS)
-            show(f"ours P={P or 'plan'} block_v={bv or 'default'}", ours)
+            show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}", ours)
             rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "segments": P, "block_v": bv,
-                         "ours_us": us(ours)})
+                         "prep_kernel": pk, "ours_us": us(ours)})
         if not a.no_fla:
             theirs = fla_kernel_seconds(xs)
             show("fla", theirs)

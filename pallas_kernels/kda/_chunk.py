@@ -292,21 +292,41 @@ def _diagonal_inverse(D):
     return _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0) - jnp.where(_block_mask(SUB, 1), D, 0.0), D, 2, _HI)
 
 
-def _inverse_body(n_ref, *refs, precision):
+def _diagonal_inverse_body(n_ref, xd_ref):
+    xd_ref[...] = _diagonal_inverse(n_ref[...])
+
+
+def diagonal_inverse_call(N, *, compiler_params=None, interpret=False):
+    """The inverses of ``I +`` the 16 x 16 diagonal blocks of ``N [HV, TT, C]`` (strictly lower
+    inside each block), one block per program: ``Xd [HV, TT, 16]``, for kernel B after a kernel A
+    that leaves them to it (the Mosaic GPU one). On the H200 at B1 T131k H12 this took 303 us;
+    kernel B forming the four of a chunk one after another cost it 350 us more (2026-12-02)."""
+    HV, TT, C = N.shape
+    ns = C // SUB
+    return pl.pallas_call(
+        _diagonal_inverse_body,
+        grid=(TT // C, HV, ns),
+        in_specs=[pl.BlockSpec((None, SUB, SUB), lambda c, h, i: (h, c * ns + i, i))],
+        out_specs=pl.BlockSpec((None, SUB, SUB), lambda c, h, i: (h, c * ns + i, 0)),
+        out_shape=jax.ShapeDtypeStruct((HV, TT, SUB), _F32),
+        compiler_params=compiler_params,
+        interpret=interpret,
+    )(N)
+
+
+def _inverse_body(n_ref, xd_ref, x_ref, *, precision):
     """GPU stage 1, kernel B: one chunk's ``X = (I + N)^-1`` from kernel A's pieces (``N`` strictly
     lower: beta Akk left of the diagonal blocks; ``Xd [C, 16]`` the diagonal blocks' inverses), by
     forward substitution over 16 x 16 blocks: ``X_ij = -X_ii sum_{j <= m < i} N_im X_mj``, exact
     elimination (no series). Blocks are read and written through static ref slices, so every
-    product is ``[16, 16] x [16, 16]``. With ``refs == (x_ref,)`` (no ``Xd``), ``N`` holds the
-    diagonal blocks too and their inverses are formed here (:func:`_diagonal_inverse`).
+    product is ``[16, 16] x [16, 16]``.
     """
-    *xd, x_ref = refs
     nb = n_ref.shape[0] // SUB
     blk = lambda i: pl.ds(i * SUB, SUB)
     zero = jnp.zeros((SUB, SUB), _F32)
     X = {}
     for i in range(nb):
-        X[i, i] = xd[0][blk(i), :] if xd else _diagonal_inverse(n_ref[blk(i), blk(i)])
+        X[i, i] = xd_ref[blk(i), :]
         N = [n_ref[blk(i), blk(m)] for m in range(i)]
         for j in range(i):
             acc = zero
@@ -383,7 +403,8 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
     1529). ``rows_call``: another kernel A,
     ``rows_call(q, k, G, beta) -> (qg, Aqk, N)`` with ``N`` strictly lower including the diagonal
-    blocks (kernel B then inverts them), e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`.
+    blocks, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`; their inverses then come from
+    :func:`diagonal_inverse_call`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -393,7 +414,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
     if rows_call is None:
-        qg, aqk, N, *Xd = pl.pallas_call(
+        qg, aqk, N, Xd = pl.pallas_call(
             partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
             grid=(NC, HV, ns),
             in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
@@ -403,17 +424,18 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
             interpret=interpret,
         )(q, k, g, G, beta)
     else:
-        (qg, aqk, N), Xd = rows_call(q, k, G, beta), []
+        qg, aqk, N = rows_call(q, k, G, beta)
+        Xd = diagonal_inverse_call(N, compiler_params=inverse_compiler_params, interpret=interpret)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     X = pl.pallas_call(
         partial(_inverse_body, precision=inv_precision),
         grid=(NC, HV),
-        in_specs=[rows(C)] + [rows(SUB)] * len(Xd),
+        in_specs=[rows(C), rows(SUB)],
         out_specs=rows(C),
         out_shape=f32(HV, TT, C),
         compiler_params=inverse_compiler_params,
         interpret=interpret,
-    )(N, *Xd)
+    )(N, Xd)
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
     kdT, W, U, decay = pl.pallas_call(
         partial(_wu_body, precision=precision),

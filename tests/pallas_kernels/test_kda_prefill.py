@@ -21,7 +21,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 
 from k3jax.ops import kda as ref
 from pallas_kernels.kda import prefill, prefill_gpu
-from pallas_kernels.kda._chunk import GPU_PRECISION, _inverse_body, _merge_inverse, gate_cumsum_call
+from pallas_kernels.kda._chunk import (GPU_PRECISION, _inverse_body, _merge_inverse, diagonal_inverse_call,
+                                      gate_cumsum_call)
 from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
 
 TPU_INTERPRET = pltpu.InterpretParams(
@@ -173,6 +174,20 @@ def test_block_forward_substitution_inverse_kernel():
             jnp.asarray(N, jnp.float32), jnp.asarray(Xd, jnp.float32))
         assert_close(X, want, "f32_out")
         assert bool(jnp.all(jnp.triu(X, 16) == 0)) and bool(jnp.all(jnp.isfinite(X)))
+
+
+def test_diagonal_inverse_kernel():
+    """The diagonal blocks' inverses, one 16 x 16 block per program (after the Mosaic GPU kernel A),
+    against the float64 inverses of ``I +`` each block, on :func:`_strictly_lower_cases` stacked as
+    two chunks of two heads; the blocks off the diagonal do not enter."""
+    n = 64
+    cases = [N + np.triu(np.ones((n, n)), 1) * 7.0 for seed in (2, 3) for N in _strictly_lower_cases(seed, n)]
+    N = np.stack([np.concatenate(cases[:2]), np.concatenate(cases[2:])])  # [HV 2, TT 128, C 64]
+    Xd = diagonal_inverse_call(jnp.asarray(N, jnp.float32), interpret=True)
+    for h in range(2):
+        for r in range(0, 2 * n, 16):
+            block = N[h, r:r + 16, r % n:r % n + 16]
+            assert_close(Xd[h, r:r + 16], np.linalg.inv(np.eye(16) + np.tril(block, -1)), "f32_out")
 
 
 @pytest.mark.parametrize("run", GPU_RUNS)

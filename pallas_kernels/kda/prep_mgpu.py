@@ -76,19 +76,21 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         """Block column ``i`` of ``Aqk^T`` and ``Akk^T`` into ``accs[i]`` and ``accs[NS + i]``, over
         K in parts of 32 columns; qg written part by part."""
 
+        anchor_row = lambda slot, i: a_s.at[slot, i, pl.ds(0, PART)]
+
         def issue(x):
             slot, cols = x % SLOTS, part(x)
             for src, dst in ((q_ref.at[rows, h // rep, cols], q_s), (k_ref.at[rows, h // rep, cols], k_s),
                              (G_ref.at[rows, h, cols], G_s)):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
             for i in range(NS):  # the anchors: each sub-chunk's first row of G
-                plgpu.copy_gmem_to_smem(G_ref.at[c * C + i * SUB, h, cols], a_s.at[slot, i], ready.at[slot])
+                plgpu.copy_gmem_to_smem(G_ref.at[c * C + i * SUB, h, cols], anchor_row(slot, i), ready.at[slot])
 
         for x in range(min(SLOTS - 1, nparts)):
             issue(x)
         sub = pin(lax.div(iota((C, PART), 0), SUB))
         anchor_of = lambda slot, i: pin(lax.broadcast_in_dim(
-            plgpu.load(a_s.at[slot, i], (), layout=lay.reduce(0)), (C, PART), [1]))
+            plgpu.load(anchor_row(slot, i), (), layout=lay.reduce(0)), (C, PART), [1]))
         for x in range(nparts):
             slot = x % SLOTS
             if x + SLOTS - 1 < nparts:  # the slot it fills was last read by part x - 1 (fenced since)
@@ -164,7 +166,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         # CTAs per SM): the products, the placement, the outputs.
         part_tile = lambda dtype: smem((SLOTS, C, PART), dtype, PART)
         P = pl.run_scoped(functools.partial(products, b_s), part_tile(q_ref.dtype), part_tile(k_ref.dtype),
-                          part_tile(_F32), smem((SLOTS, NS, PART), _F32),  # anchors unswizzled: rows as vectors
+                          # The anchors unswizzled (rows loaded as vectors), each row 128-byte aligned for TMA.
+                          part_tile(_F32), smem((SLOTS, NS, max(PART, 32)), _F32),
                           smem((C, PART), _F32, PART), smem((C, PART), _F32, PART), smem((2, C, PART), _F32, PART),
                           smem((C, PART), st, PART),
                           plgpu.Barrier(num_arrivals=3 + NS, num_barriers=SLOTS))

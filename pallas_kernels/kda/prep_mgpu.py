@@ -46,6 +46,9 @@ C = 64  # chunk rows: one WGMMA row block
 PART = 32  # K columns per pass: one 128-byte row of float32 (tile 8 x 32, 128-byte swizzle)
 NS = C // SUB
 SLOTS = 2  # input buffers: part x + 1's copies are in flight while part x is computed
+# The parts as a loop instead of unrolled: fewer values live at once for ptxas to keep in
+# registers (255 unrolled, two CTAs per SM). Interpreter-tested and lowered; not yet timed.
+LOOP_PARTS = False
 
 
 def supported(K, chunk_size, dtype, bounded) -> bool:
@@ -63,7 +66,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     # Every tile in the WGMMA layout: the layout inference then has one choice per value.
     pin = lambda x: plgpu.layout_cast(x, lay)
     iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=lay)
-    part = lambda x: pl.ds(x * PART, PART)
+    part = lambda x: pl.ds(x * PART if isinstance(x, int) else pl.multiple_of(x * PART, PART), PART)
     smem = lambda shape, dtype, width=None: plgpu.SMEM(shape, dtype,
                                                        transforms=_swizzled(dtype, width) if width else ())
     st = qg_ref.dtype
@@ -90,23 +93,29 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             issue(x)
         sub = pin(lax.div(iota((C, PART), 0), SUB))
         anchor_of = lambda slot, i: pin(lax.broadcast_in_dim(
-            plgpu.load(anchor_row(slot, i), (), layout=lay.reduce(0)), (C, PART), [1]))
-        for x in range(nparts):
-            slot = x % SLOTS
-            if x + SLOTS - 1 < nparts:  # the slot it fills was last read by part x - 1 (fenced since)
-                issue(x + SLOTS - 1)
+            plgpu.load(anchor_row(slot, i), layout=lay.reduce(0)), (C, PART), [1]))
+        def part_step(x):
+            """Part ``x`` of K: a Python int (unrolled) or a traced loop index (``LOOP_PARTS``)."""
+            static = isinstance(x, int)
+            slot = x % SLOTS if static else lax.rem(x, SLOTS)
+            refill = x + SLOTS - 1  # the slot it fills was last read by part x - 1 (fenced since)
+            if static:
+                if refill < nparts:
+                    issue(refill)
+            else:
+                pl.when(refill < nparts)(lambda: issue(refill))
             plgpu.barrier_wait(ready.at[slot])
-            G = plgpu.load(G_s.at[slot], (), layout=lay)
+            G = plgpu.load(G_s.at[slot], layout=lay)
             anchor = anchor_of(slot, NS - 1)
             for i in range(NS - 2, -1, -1):
                 anchor = pin(jnp.where(sub == i, anchor_of(slot, i), anchor))
             e = pin(_exp(G - anchor))
-            q = pin(plgpu.load(q_s.at[slot], (), layout=lay).astype(_F32))
+            q = pin(plgpu.load(q_s.at[slot], layout=lay).astype(_F32))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # part x - 1's qg has left qg_s
             qg_s[...] = pin((scale * q * _exp(G)).astype(st))
             rq_s[...] = pin(q * e)
-            beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, (), layout=lay.reduce(1)), (C, PART), [0]))
-            k = pin(plgpu.load(k_s.at[slot], (), layout=lay).astype(_F32))
+            beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, PART), [0]))
+            k = pin(plgpu.load(k_s.at[slot], layout=lay).astype(_F32))
             rk_s[...] = pin(beta * k * e)
             for i in range(NS):
                 keep = sub <= i  # columns up to sub-chunk i's end; later ones zero before exp
@@ -122,6 +131,12 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                 plgpu.wgmma(accs[i], kc_s.at[i % 2], rq_s.at[block].T)
                 plgpu.wgmma(accs[NS + i], kc_s.at[i % 2], rk_s.at[block].T)
             plgpu.wgmma_wait(0)  # before rq_s, rk_s and kc_s are rewritten
+
+        if LOOP_PARTS:
+            pl.loop(0, nparts)(part_step)
+        else:
+            for x in range(nparts):
+                part_step(x)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # qg_s is freed with this scope
         return [a[...] for a in accs]
 

@@ -4,7 +4,8 @@ one number, this says which stage the time goes to on each side.
 
 Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (fla-core 0.6.0
 importable; ``--no-fla`` times ours only). ``--segments 4,5`` and ``--block-v 32,64`` time each
-segment count and Mosaic GPU ``block_v`` (default: the planner's and the kernel's defaults).
+segment count and Mosaic GPU ``block_v`` (default: the planner's and the kernel's defaults);
+``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 kernel A.
 Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
 per call. Writes ``$OUT/kernel_profile.json``.
 """

@@ -5,7 +5,8 @@ one number, this says which stage the time goes to on each side.
 Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (fla-core 0.6.0
 importable; ``--no-fla`` times ours only). ``--segments 4,5`` and ``--block-v 32,64`` time each
 segment count and Mosaic GPU ``block_v`` (default: the planner's and the kernel's defaults);
-``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 kernel A.
+``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 kernel A, and ``--mgpu-a 32:2:0,32:2:1``
+each layout of the Mosaic GPU one (K columns per part, input buffers, parts as a loop).
 Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
 per call. Writes ``$OUT/kernel_profile.json``.
 """
@@ -20,7 +21,7 @@ import jax
 
 from benchmarks.common import kernel_seconds, to_torch, write_json
 from benchmarks.kda_reference import inputs
-from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda import chunk_kda, prep_mgpu
 
 STEPS = 10
 
@@ -50,12 +51,18 @@ def main():
     ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
     ap.add_argument("--prep-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; "
                     "mosaic_gpu needs --k3-gates)")
+    ap.add_argument("--mgpu-a", default="",
+                    help="comma list of PART:SLOTS:LOOP_PARTS, the Mosaic GPU kernel A's layout "
+                         "(pallas_kernels.kda.prep_mgpu; default: its own), one run each with --prep-kernel mosaic_gpu")
     ap.add_argument("--no-fla", action="store_true", help="time ours only")
     a = ap.parse_args()
     rows = []
     bound = -5.0 if a.k3_gates else None
     options = lambda text: [int(x) for x in text.split(",")] if text else [None]
-    variants = [(P, bv, pk) for P in options(a.segments) for bv in options(a.block_v) for pk in a.prep_kernel.split(",")]
+    layouts = [tuple(map(int, c.split(":"))) for c in a.mgpu_a.split(",")] if a.mgpu_a else [None]
+    variants = [(P, bv, pk, lay if pk == "mosaic_gpu" else None) for P in options(a.segments) for bv in options(a.block_v)
+                for pk in a.prep_kernel.split(",") for lay in (layouts if pk == "mosaic_gpu" else [None])]
+    own_layout = (prep_mgpu.PART, prep_mgpu.SLOTS, int(prep_mgpu.LOOP_PARTS))
     us = lambda table: {k: v * 1e6 for k, v in table.items()}
     for shape in a.shapes.split(";"):
         B, T, H = map(int, shape.split(","))
@@ -65,13 +72,16 @@ def main():
             for name, t in sorted(table.items(), key=lambda kv: -kv[1]):
                 print(f"  {t * 1e6:9.1f} us  {name[:90]}", flush=True)
 
-        for P, bv, pk in variants:
+        for P, bv, pk, lay in variants:
+            # Read when the kernel is traced: each variant is a new jit function.
+            prep_mgpu.PART, prep_mgpu.SLOTS, loop = lay or own_layout
+            prep_mgpu.LOOP_PARTS = bool(loop)
             fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
                                            recurrence=bv and "mosaic_gpu", prep_kernel=pk))
             ours = kernel_seconds(lambda: fn(*xs), STEPS)
-            show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}", ours)
+            show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}{'' if lay is None else lay}", ours)
             rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "segments": P, "block_v": bv,
-                         "prep_kernel": pk, "ours_us": us(ours)})
+                         "prep_kernel": pk, "mgpu_a": lay, "ours_us": us(ours)})
         if not a.no_fla:
             theirs = fla_kernel_seconds(xs)
             show("fla", theirs)

@@ -20,8 +20,8 @@ Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictly lower, its diagona
 included: a Triton kernel inverts those (``_diagonal_inverse_body``).
 
 The products, the placement and the output tiles are three scopes in turn over one shared
-memory region (70 KB at K = 128 with bf16 outputs), so two or three CTAs share an SM: on the
-H200 at B1 T131k H12 this kernel took 1.73 ms, against 3.21 ms with 64-column halves loaded at
+memory region (70 KB at K = 128 with bf16 outputs), so two CTAs share an SM (ptxas gives it
+255 registers, which also allows two): on the H200 at B1 T131k H12 this kernel took 1.73 ms, against 3.21 ms with 64-column halves loaded at
 once (184 KB, one CTA per SM) and 2.10 ms for the Triton kernel A (2026-12-02).
 
 Unbounded gates need the Triton kernel A's per-row span test and exact fallback; that stays on
@@ -77,7 +77,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
 
     def products_into(b_s, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready, *accs):
         """Block column ``i`` of ``Aqk^T`` and ``Akk^T`` into ``accs[i]`` and ``accs[NS + i]``, over
-        K in parts of 32 columns; qg written part by part."""
+        K in parts of ``PART`` columns; qg written part by part."""
 
         anchor_row = lambda slot, i: a_s.at[slot, i, pl.ds(0, PART)]
 
@@ -94,6 +94,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         sub = pin(lax.div(iota((C, PART), 0), SUB))
         anchor_of = lambda slot, i: pin(lax.broadcast_in_dim(
             plgpu.load(anchor_row(slot, i), layout=lay.reduce(0)), (C, PART), [1]))
+
         def part_step(x):
             """Part ``x`` of K: a Python int (unrolled) or a traced loop index (``LOOP_PARTS``)."""
             static = isinstance(x, int)
@@ -177,8 +178,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     def body(b_s, b_bar):
         plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, b_bar.at[0])
         plgpu.barrier_wait(b_bar.at[0])
-        # Three scopes in turn share their shared memory (59 KB at most, with bf16 outputs: a few
-        # CTAs per SM): the products, the placement, the outputs.
+        # Three scopes in turn share their shared memory (70 KB at most at K = 128 with bf16
+        # outputs): the products, the placement, the outputs.
         part_tile = lambda dtype: smem((SLOTS, C, PART), dtype, PART)
         P = pl.run_scoped(functools.partial(products, b_s), part_tile(q_ref.dtype), part_tile(k_ref.dtype),
                           # The anchors unswizzled (rows loaded as vectors), each row 128-byte aligned for TMA.

@@ -60,7 +60,7 @@ def main():
     bound = -5.0 if a.k3_gates else None
     options = lambda text: [int(x) for x in text.split(",")] if text else [None]
     layouts = [tuple(map(int, c.split(":"))) for c in a.mgpu_a.split(",")] if a.mgpu_a else [None]
-    variants = [(P, bv, pk, lay if pk == "mosaic_gpu" else None) for P in options(a.segments) for bv in options(a.block_v)
+    variants = [(P, bv, pk, lay) for P in options(a.segments) for bv in options(a.block_v)
                 for pk in a.prep_kernel.split(",") for lay in (layouts if pk == "mosaic_gpu" else [None])]
     own_layout = (prep_mgpu.PART, prep_mgpu.SLOTS, int(prep_mgpu.LOOP_PARTS))
     us = lambda table: {k: v * 1e6 for k, v in table.items()}

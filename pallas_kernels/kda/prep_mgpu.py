@@ -66,7 +66,9 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     # Every tile in the WGMMA layout: the layout inference then has one choice per value.
     pin = lambda x: plgpu.layout_cast(x, lay)
     iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=lay)
+    # A part index is a Python int (unrolled) or a traced loop index (LOOP_PARTS).
     part = lambda x: pl.ds(x * PART if isinstance(x, int) else pl.multiple_of(x * PART, PART), PART)
+    slot_of = lambda x: x % SLOTS if isinstance(x, int) else lax.rem(x, SLOTS)
     smem = lambda shape, dtype, width=None: plgpu.SMEM(shape, dtype,
                                                        transforms=_swizzled(dtype, width) if width else ())
     st = qg_ref.dtype
@@ -82,7 +84,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         anchor_row = lambda slot, i: a_s.at[slot, i, pl.ds(0, PART)]
 
         def issue(x):
-            slot, cols = x % SLOTS, part(x)
+            slot, cols = slot_of(x), part(x)
             for src, dst in ((q_ref.at[rows, h // rep, cols], q_s), (k_ref.at[rows, h // rep, cols], k_s),
                              (G_ref.at[rows, h, cols], G_s)):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
@@ -96,15 +98,9 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             plgpu.load(anchor_row(slot, i), layout=lay.reduce(0)), (C, PART), [1]))
 
         def part_step(x):
-            """Part ``x`` of K: a Python int (unrolled) or a traced loop index (``LOOP_PARTS``)."""
-            static = isinstance(x, int)
-            slot = x % SLOTS if static else lax.rem(x, SLOTS)
+            slot = slot_of(x)
             refill = x + SLOTS - 1  # the slot it fills was last read by part x - 1 (fenced since)
-            if static:
-                if refill < nparts:
-                    issue(refill)
-            else:
-                pl.when(refill < nparts)(lambda: issue(refill))
+            pl.when(refill < nparts)(lambda: issue(refill))
             plgpu.barrier_wait(ready.at[slot])
             G = plgpu.load(G_s.at[slot], layout=lay)
             anchor = anchor_of(slot, NS - 1)

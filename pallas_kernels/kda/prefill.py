@@ -161,7 +161,7 @@ def chunk_kda(
     backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
     intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, recurrence: str | None = None,
-    prep_kernel: str = "triton",
+    prep_kernel: str | None = None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -207,13 +207,13 @@ def chunk_kda(
         GPU where it applies and no ``block_v`` is given, else Triton. On the H200 (2026-12-01,
         whole call) the Mosaic recurrence made the prefill 3-7% faster at the five benchmark
         shapes timed (e.g. B8 T4k H32 3.65 against 3.92 ms).
-      prep_kernel: GPU: stage 1's kernel A (Aqk, Akk, qg), "triton" (the default) or "mosaic_gpu"
+      prep_kernel: GPU: stage 1's kernel A (Aqk, Akk, qg), "triton" or "mosaic_gpu"
         (:mod:`pallas_kernels.kda.prep_mgpu`: TF32 WGMMA products; needs ``gate_lower_bound``,
         chunk 64, K in (64, 128) and 16-bit inputs; its diagonal blocks' inverses then run as a
-        Triton kernel of their own). The gate cumsum, the inverse and W / U stay on Triton. On
-        the H200 (kernel time, K3 gates, 2026-12-02) it took 1.73 ms against the Triton kernel
-        A's 2.10 at B1 T131k H12, and the whole call 5.17 against 5.24 ms (the diagonal
-        inverses 0.30); within 0.2% at H = 4 and at two H = 32 shapes.
+        Triton kernel of their own). None: Mosaic GPU where it applies, else Triton. The gate
+        cumsum, the inverse and W / U stay on Triton. Kernel time, K3 gates (2026-12-02): on the
+        H200 it took 1.49 ms against the Triton kernel A's 2.10 at B1 T131k H12, the whole call
+        4.94 against 5.25 ms; on an H100 the whole call was 8-10% faster at H = 4, 12 and 32.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -247,6 +247,10 @@ def chunk_kda(
         raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
                          f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
                          f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")
+    if prep_kernel is None:
+        prep_kernel = ("mosaic_gpu" if kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype,
+                                                                            gate_lower_bound is not None)
+                       else "triton")
     if prep_kernel not in ("triton", "mosaic_gpu"):
         raise ValueError(f"prep_kernel must be 'triton' or 'mosaic_gpu', got {prep_kernel!r}")
     if prep_kernel == "mosaic_gpu" and (kind != "gpu" or not prep_mgpu.supported(K, chunk_size, q.dtype,

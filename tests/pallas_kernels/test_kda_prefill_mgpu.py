@@ -175,14 +175,12 @@ def _exact_products(q, k, G, beta, scale, rep):
     return aqk, n
 
 
-@pytest.mark.parametrize("loop_parts", [False, True], ids=["unrolled", "looped"])
-def test_kernel_a_matches_exact_products(interpret, loop_parts, monkeypatch):
+def test_kernel_a_matches_exact_products(interpret):
     """The Mosaic GPU kernel A at the gate bound (most gates near -5: spans up to 75 nats per
-    sub-chunk, 320 per chunk), GVA, K = 128 (four parts of K, unrolled or as a loop): Aqk, N
+    sub-chunk, 320 per chunk), GVA, K = 128 (four parts of K): Aqk, N
     (diagonal blocks included) and qg against float64 (interpreter: float32 products; compiled:
     TF32); rows never read later tokens (the inputs of the second chunk's row 31, the last row of
     a sub-chunk, changed: every earlier row bit for bit the same)."""
-    monkeypatch.setattr(prep_mgpu, "LOOP_PARTS", loop_parts)
     TT, H, HV_, K_ = 2 * C, 1, 2, 128
     q, k, _, g, beta = (x[0] for x in kda_inputs(9, 1, TT, H, HV_, K_, K_, lower_bound=-5.0, dtype=jnp.bfloat16,
                                                  gate_scale=4.0))
@@ -216,7 +214,7 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
                                       gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence, **gpu_run)
 
 
-def test_the_mosaic_recurrence_lowers_for_the_h200(monkeypatch):
+def test_the_mosaic_recurrence_lowers_for_the_h200():
     """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
     kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments); the
     default picks it there, and Triton where it does not apply (float32 intermediates) or where
@@ -226,11 +224,11 @@ def test_the_mosaic_recurrence_lowers_for_the_h200(monkeypatch):
     for kw in (dict(intermediate_dtype=jnp.float32), dict(block_v=64)):
         module = _export("gpu", "cuda", H200, **kw)
         assert module.count("mosaic_gpu_v2") == 0 and module.count("xla.gpu.triton") == 6
-    # Kernel A too (bounded gates): the cumsum, diagonal inverse, inverse and W / U kernels stay on Triton.
-    for loop_parts in (False, True):
-        monkeypatch.setattr(prep_mgpu, "LOOP_PARTS", loop_parts)
-        module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, prep_kernel="mosaic_gpu")
-        assert module.count("mosaic_gpu_v2") == 3 and module.count("xla.gpu.triton") == 4
+    # Kernel A too (bounded gates): the cumsum, diagonal inverse (or kernel A), inverse and
+    # W / U kernels stay on Triton. The default where it applies; Triton when asked.
+    for kernel, mosaic in ((None, 3), ("mosaic_gpu", 3), ("triton", 2)):
+        module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, prep_kernel=kernel)
+        assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == 4
 
 
 def test_bad_arguments_are_rejected():

@@ -62,9 +62,9 @@ def main():
     ap.add_argument("--recurrence", default="auto",
                     help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (the recurrent stage's kernel; "
                          "mosaic_gpu needs bf16 intermediates)")
-    ap.add_argument("--prep-kernel", default="triton",
-                    help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; mosaic_gpu needs --k3-gates --diag "
-                         "bounded)")
+    ap.add_argument("--prep-kernel", default="auto",
+                    help="comma list: auto (chunk_kda's choice: mosaic_gpu for bounded gates), triton and/or mosaic_gpu "
+                         "(stage 1's kernel A; mosaic_gpu needs --k3-gates --diag bounded)")
     ap.add_argument("--json", default="kda_prefill.json", help="the file under $OUT the rows go to")
     a = ap.parse_args()
     if "bounded" in a.diag and not a.k3_gates:
@@ -108,6 +108,8 @@ def main():
         o_f, S_f = jnp.from_dlpack(o_f.float()), jnp.from_dlpack(S_f.float().contiguous())
         t_prep = {}
         for p, cfg, pp, im, dg, rc, pk in sweep:
+            if pk == "auto":  # the inputs are bf16: chunk_kda takes the Mosaic GPU kernel A for bounded gates
+                pk = "mosaic_gpu" if dg == "bounded" else "triton"
             plan = planned(cfg, im, rc)
             P = plan if p == "plan" else int(p)
             pw = cfg["prep_num_warps"]

@@ -247,14 +247,12 @@ def chunk_kda(
         raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
                          f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
                          f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")
+    mosaic_a_ok = kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype, gate_lower_bound is not None)
     if prep_kernel is None:
-        prep_kernel = ("mosaic_gpu" if kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype,
-                                                                            gate_lower_bound is not None)
-                       else "triton")
+        prep_kernel = "mosaic_gpu" if mosaic_a_ok else "triton"
     if prep_kernel not in ("triton", "mosaic_gpu"):
         raise ValueError(f"prep_kernel must be 'triton' or 'mosaic_gpu', got {prep_kernel!r}")
-    if prep_kernel == "mosaic_gpu" and (kind != "gpu" or not prep_mgpu.supported(K, chunk_size, q.dtype,
-                                                                                  gate_lower_bound is not None)):
+    if prep_kernel == "mosaic_gpu" and not mosaic_a_ok:
         raise ValueError("the Mosaic GPU kernel A runs on the GPU backend with gate_lower_bound set, chunk_size 64, "
                          f"K in (64, 128) and 16-bit inputs; got backend {kind}, gate_lower_bound "
                          f"{gate_lower_bound}, chunk_size {chunk_size}, K={K}, {q.dtype}")

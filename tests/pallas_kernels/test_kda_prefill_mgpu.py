@@ -177,10 +177,10 @@ def _exact_products(q, k, G, beta, scale, rep):
 
 def test_kernel_a_matches_exact_products(interpret):
     """The Mosaic GPU kernel A at the gate bound (most gates near -5: spans up to 75 nats per
-    sub-chunk, 320 per chunk), GVA, K = 128 (four parts of K): Aqk, N
-    (diagonal blocks included) and qg against float64 (interpreter: float32 products; compiled:
-    TF32); rows never read later tokens (the inputs of the second chunk's row 31, the last row of
-    a sub-chunk, changed: every earlier row bit for bit the same)."""
+    sub-chunk, 320 per chunk), GVA, K = 128 (four parts of K): Aqk, N (diagonal blocks included)
+    and qg against float64 (interpreter: float32 products; compiled: TF32); rows never read later
+    tokens (the inputs of the second chunk's row 31, the last row of a sub-chunk, changed: every
+    earlier row bit for bit the same)."""
     TT, H, HV_, K_ = 2 * C, 1, 2, 128
     q, k, _, g, beta = (x[0] for x in kda_inputs(9, 1, TT, H, HV_, K_, K_, lower_bound=-5.0, dtype=jnp.bfloat16,
                                                  gate_scale=4.0))

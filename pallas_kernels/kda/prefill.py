@@ -37,10 +37,14 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     when ``P x programs`` fills the SMs. Triton recurrence: ``P = num_cores // programs``, used
     from ``P = 3`` (on the H200 with bf16 recurrence operands: H = 12, T = 131072, 24 programs,
     P = 5 took 10.19 ms against 12.04 unsplit; H = 4, P = 16 took 3.51 ms).
-    ``recurrence="mosaic_gpu"`` (one CTA of 64 columns per SM, all of a pass's CTAs equally long)
-    minimises :func:`mosaic_segment_cost`, the waves of both passes over ``P``. On the H200 it
+    ``recurrence="mosaic_gpu"`` (one CTA per SM, all of a pass's CTAs equally long) minimises
+    :func:`mosaic_segment_cost`, the waves of both passes over ``P`` and the fold. On the H200 it
     tracked the measured recurrent stage within 3% at H = 12, T = 131072 for P = 3 to 6 (P = 4:
-    1.31 ms, P = 5: 1.51, whose summary pass takes two waves) and picks P = 2 at H = 32.
+    1.31 ms, P = 5: 1.51, whose summary pass takes two waves at 64 columns per CTA) and picks
+    P = 2 at H = 32. With the summary at 128 columns per CTA where that saves waves
+    (:func:`summary_cta_cols`) it picks P = 11 at H = 12 (the same whole call as P = 5, 4.81 ms;
+    P = 4 at 64 columns 4.84) and was 1-5% faster than the choice before at five other shapes
+    (H = 4 to 24, T = 32768 and 131072; docs/benchmarks.md, 2026-12-02).
     When the summary pass runs anyway (``summary_paid``: an ``initial_state_fn``, as KCP
     passes), segments cost only their fold, so ``P`` fills the cores: ``P x programs >=
     num_cores`` (P = 3 per rank at H = 32: KCP 1.81x on two H200s at T = 131072). Segments keep at
@@ -59,23 +63,55 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     return P if P >= (2 if summary_paid else 3) else 1
 
 
-# A summary-pass chunk against a recurrence chunk on the H200 (no outputs: two products of four):
-# 0.80 at H = 12, T = 131072, P = 4 (580 against 728 us over 512 chunks), 0.74 at H = 32, P = 2.
-_SUMMARY_STEP = 0.8
+# A summary-pass chunk against a recurrence chunk on the H200 (no outputs: two products of four),
+# by columns per CTA. 64 (one warpgroup): 0.80 at H = 12, T = 131072, P = 4 (580 against 728 us
+# over 512 chunks), 0.74 at H = 32, P = 2. 128 (two warpgroups of 64 sharing W and kd^T, half the
+# CTAs): 0.98 at H = 12, P = 5 (581 against 590 us) and at H = 4, P = 16 (193 against 197).
+_SUMMARY_STEP = {64: 0.8, 128: 1.0}
 # What a wave of CTAs pays besides its chunks (the state in and out, the first loads), in chunks.
 _WAVE_START = 4
+# What a segment adds to the fold of the maps (XLA's slices, concatenations and small GEMMs of the
+# associative scan), in chunks: about 12 us on the H200 at H = 12 (70 us more at P = 11 than at
+# P = 5, 2026-12-02), where a recurrence chunk takes 1.44 us.
+_FOLD_STEP = 8
+
+
+def _waves(ctas, num_cores):
+    return -(-ctas // num_cores)
+
+
+def _summary_waves(num_seqs, num_heads, K, V, P, cols, *, num_cores, paid=False):
+    """Waves of the Mosaic GPU summary pass at ``cols`` columns per CTA: the first segment's E
+    columns (V), the middle segments' M and E (K + V), not the last segment; every segment's
+    ``K + V`` when the maps are ``paid`` for (an ``initial_state_fn``)."""
+    per = lambda width: gpu_programs(num_seqs, num_heads, width, cols)
+    return _waves(P * per(K + V) if paid else per(V) + (P - 2) * per(K + V), num_cores)
+
+
+def summary_cta_cols(num_seqs, num_heads, K, V, P, *, num_cores=None, block_v=64, paid=False) -> int:
+    """Columns per CTA of the Mosaic GPU summary pass for ``P`` segments: 128 (two warpgroups of
+    64; K and V multiples of 128) where its fewer waves outweigh its slower chunks, else 64.
+    On the H200 at H = 12, T = 131072 that lets the planner take P = 5 (the recurrence's 120 CTAs
+    fill the SMs; the summary's 84 take one wave, 168 at 64 columns take two): the recurrent
+    stage 1171 against 1237 us at P = 4; at H = 4, P = 16 the summary 193 against 273 us."""
+    num_cores = num_cores or gpu_core_count()
+    widths = [64] + ([128] if block_v == 64 and K % 128 == 0 and V % 128 == 0 else [])
+    cost = lambda cols: _SUMMARY_STEP[cols] * _summary_waves(num_seqs, num_heads, K, V, P, cols,
+                                                             num_cores=num_cores, paid=paid)
+    return min(widths, key=lambda cols: (cost(cols), cols))
 
 
 def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores):
     """The Mosaic GPU recurrent stage's time for ``P`` segments of sequences of ``chunks`` chunks,
     in recurrence chunk steps: each pass takes ``ceil(CTAs / cores)`` waves of ``chunks / P``
-    steps (plus :data:`_WAVE_START`). The summary pass runs the first segment's E columns (V), the
-    middle segments' M and E (K + V) and not the last segment (``chunk_kda`` without an
-    ``initial_state_fn``)."""
-    per = lambda cols: gpu_programs(num_seqs, num_heads, cols, prefill_mgpu.BV)  # CTAs of a pass
-    waves = lambda ctas: -(-ctas // num_cores)
-    summary = 0 if P == 1 else waves(per(V) + (P - 2) * per(K + V))
-    return (waves(P * per(V)) + _SUMMARY_STEP * summary) * (chunks / P + _WAVE_START)
+    steps (plus :data:`_WAVE_START`); the summary pass (``chunk_kda`` without an
+    ``initial_state_fn``) at the columns per CTA :func:`summary_cta_cols` picks."""
+    summary = 0
+    if P > 1:
+        cols = summary_cta_cols(num_seqs, num_heads, K, V, P, num_cores=num_cores)
+        summary = _SUMMARY_STEP[cols] * _summary_waves(num_seqs, num_heads, K, V, P, cols, num_cores=num_cores)
+    recurrence = _waves(P * gpu_programs(num_seqs, num_heads, V, prefill_mgpu.BV), num_cores)
+    return (recurrence + summary) * (chunks / P + _WAVE_START) + _FOLD_STEP * (P - 1)
 
 
 def gpu_programs(rows, num_heads, V, block_v):
@@ -212,8 +248,9 @@ def chunk_kda(
         chunk 64, K in (64, 128) and 16-bit inputs; its diagonal blocks' inverses then run as a
         Triton kernel of their own). None: Mosaic GPU where it applies, else Triton. The gate
         cumsum, the inverse and W / U stay on Triton. Kernel time, K3 gates (2026-12-02): on the
-        H200 it took 1.49 ms against the Triton kernel A's 2.10 at B1 T131k H12, the whole call
-        4.94 against 5.25 ms; on an H100 the whole call was 8-10% faster at H = 4, 12 and 32.
+        H200 it took 1.42 ms against the Triton kernel A's 2.10 at B1 T131k H12 (the whole call
+        4.94 against 5.25 ms when it took 1.49); on an H100 the whole call was 8-10% faster at
+        H = 4, 12 and 32.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -295,12 +332,15 @@ def chunk_kda(
             # State columns per warpgroup, the same in the summary pass.
             block_v = summary_block_v = block_v or prefill_mgpu.DEFAULT_BLOCK_V
             scan = partial(prefill_mgpu.scan_call, n_ck_slots=n_slots, interpret=bool(interpret))
+            summary_kw = dict(cta_cols=summary_cta_cols(N, HV, K, V, P, block_v=block_v,
+                                                        paid=initial_state_fn is not None))
         else:
             if block_v is None:
                 block_v = 64 if P > 1 or gpu_programs(N, HV, V, 64) >= gpu_core_count() else 32
             scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
             scan = partial(prefill_gpu.scan_call, n_ck_slots=n_slots, num_warps=num_warps, num_stages=num_stages,
                            precision=scan_precision, interpret=interpret)
+            summary_kw = {}
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
@@ -317,7 +357,7 @@ def chunk_kda(
             else:  # the hook gets every sequence's whole map
                 table, e_start = (np.full((N, P), -1), np.ones((N, P)), np.ones((N, P))), None
             table = jnp.asarray(np.stack(table, axis=-1).reshape(N * P, 3), jnp.int32)
-            ME = scan(prep, e_start, vstart, vend, table, summary=True, block_v=summary_block_v)
+            ME = scan(prep, e_start, vstart, vend, table, summary=True, block_v=summary_block_v, **summary_kw)
             M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is None:
                 M = M.at[:, 0].set(0.0)

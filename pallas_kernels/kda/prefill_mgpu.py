@@ -14,7 +14,9 @@ shared memory as bfloat16 (the operand of ``W S`` and ``qg S``) and so does ``V_
 operands, f32 accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state
 stays float32.
 The outputs leave through shared memory by TMA; checkpoints and final states likewise.
-``summary=True`` runs the ``[M | E]`` columns as the Triton kernel does (README.md).
+``summary=True`` runs the ``[M | E]`` columns as the Triton kernel does (README.md); there a CTA
+may also hold two warpgroups of 64 columns (``cta_cols=128``: 209 KB with two input slots), half
+the CTAs of 64 for a chunk step 1.25-1.35x as long, which pays where it saves a wave.
 """
 
 from __future__ import annotations
@@ -76,28 +78,28 @@ def _products(w, kdT, u, u_scale, s_smem, vn_smem, qa, ws_acc, kv_acc, *o_acc):
 
 
 def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_ref, aqk_ref, *outs, summary: bool,
-            e_init: bool, wgs: int):
+            e_init: bool, wgs: int, cols: int, slots: int):
     s, h, j = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("j")
     wg = lax.axis_index("wg") if wgs > 1 else 0
     HV, TT, K = w_ref.shape
     C = aqk_ref.shape[-1]
-    BW = BV // wgs  # this warpgroup's columns: [j * BV + wg * BW, + BW)
+    BW = cols // wgs  # this warpgroup's columns: [j * cols + wg * BW, + BW)
     # Offsets as multiples of their tiles, for the layout inference of the TMA copies.
     span = lambda start, size: pl.ds(pl.multiple_of(start, size), size)
     rows_of = lambda c: span(c * C, C)
-    cols = span(j * BV + wg * BW, BW)
+    mine = span(j * cols + wg * BW, BW)
     lo, hi = bounds_ref[s, 0], bounds_ref[s, 1]
     wgmma_layout = plgpu.Layout.WGMMA
     if summary:
         (final_ref,) = outs
-        nK = K // BV  # the CTA's columns are all M (j < nK) or all E
+        nK = K // cols  # the CTA's columns are all M (j < nK) or all E
         is_m = j < nK
-        ucols = span(jnp.maximum(j - nK, 0) * BV + wg * BW, BW)
+        ucols = span(jnp.maximum(j - nK, 0) * cols + wg * BW, BW)
         hi = jnp.where(jnp.where(is_m, ck_ref[s, 1], ck_ref[s, 2]) > 0, hi, lo)
         u_scale = jnp.where(is_m, 0.0, 1.0).astype(_F32)  # U = 0 in the M columns
     else:
         o_ref, final_ref, ckpt_ref = outs
-        ucols = cols
+        ucols = mine
         u_scale = None
     # Per chunk, shared by the CTA's warpgroups: (source in GMEM, SMEM buffer shape, dtype,
     # swizzled for WGMMA). Each warpgroup also copies its own U columns.
@@ -111,10 +113,6 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             (lambda c: qg_ref.at[h, rows_of(c)], (C, K), _BF16, True),
             (lambda c: aqk_ref.at[h, rows_of(c)], (C, C), _BF16, True),
         ]
-    # Input slots: chunk c + slots - 1's copies are issued before chunk c's work. Three in summary
-    # mode (no qg, Aqk: 177 KB of shared memory at K = 128; 1-2% faster there than two on the
-    # H200), two otherwise (193 KB).
-    slots = 3 if summary else 2
     # Swizzled buffers take the swizzle of a row of the warpgroup's columns in their dtype: every
     # bf16 operand the same (64 bytes at 32 columns, 128 at 64).
     smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(
@@ -164,7 +162,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             rows = plgpu.broadcasted_iota(jnp.int32, (K, BW), 0, layout=wgmma_layout)
             cidx = plgpu.broadcasted_iota(jnp.int32, (K, BW), 1, layout=wgmma_layout)
             # [I | 0]: the diagonal of the M columns (pushed past the tile in the E columns).
-            S0 = (rows == cidx + j * BV + wg * BW + jnp.where(is_m, 0, 2 * K)).astype(_F32)
+            S0 = (rows == cidx + j * cols + wg * BW + jnp.where(is_m, 0, 2 * K)).astype(_F32)
             if e_init:  # the E columns of a segment whose start is known begin at that state
                 src = ck_ref[s, 0]
                 start = load_state(init_ref.at[jnp.maximum(src, 0), h, :, ucols])
@@ -172,7 +170,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
                 keep = (is_m | (src < 0)).astype(_F32)
                 S0 = keep * S0 + (1.0 - keep) * start
         else:
-            S0 = load_state(init_ref.at[s, h, :, cols])
+            S0 = load_state(init_ref.at[s, h, :, mine])
 
         for ahead in range(slots - 1):
             @pl.when(lo + ahead < hi)
@@ -204,12 +202,12 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 o_smem[...] = o[0].astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows_of(c), h, cols])
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows_of(c), h, mine])
                 slot_ck = ck_ref[c]
 
                 @pl.when(slot_ck >= 0)
                 def _():
-                    store_state(S, ckpt_ref.at[slot_ck, h, :, cols])
+                    store_state(S, ckpt_ref.at[slot_ck, h, :, mine])
 
             return S
 
@@ -222,17 +220,18 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
                 def _():
                     plgpu.barrier_wait(consumed.at[lax.rem(hi - back - lo, slots)])
 
-        store_state(S, final_ref.at[s, h, :, cols])
+        store_state(S, final_ref.at[s, h, :, mine])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(body, *scratch.values(), collective_axes="wg")
 
 
 def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None,
-              block_v=DEFAULT_BLOCK_V, interpret=False):
+              block_v=DEFAULT_BLOCK_V, cta_cols=BV, interpret=False):
     """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.prefill_gpu.scan_call`
     (``prep`` must hold bfloat16 intermediates, see :func:`supported`). ``block_v``: state columns
-    per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs).
+    per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs). ``cta_cols``:
+    state columns per CTA, 64, or 128 in summary mode (two warpgroups of 64).
     ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in the Mosaic GPU
     interpreter (on CPU)."""
     if interpret is True:
@@ -245,7 +244,15 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
         raise ValueError(f"the Mosaic GPU recurrence takes bf16 intermediates, C = 64, K in (64, 128) and V a "
                          f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
     check_block_v(block_v)
-    wgs = BV // block_v
+    wide = cta_cols == 2 * BV and block_v == BV and summary and K % cta_cols == 0 and V % cta_cols == 0
+    if cta_cols != BV and not wide:
+        raise ValueError(f"cta_cols is 64, or 128 in summary mode with block_v 64 and K, V multiples of 128; got "
+                         f"{cta_cols} (block_v {block_v}, summary {summary}, K={K}, V={V})")
+    wgs = cta_cols // block_v
+    # Input slots: chunk c + slots - 1's copies are issued before chunk c's work. Three in summary
+    # mode at 64 columns (no qg, Aqk: 177 KB of shared memory at K = 128; 1-2% faster there than
+    # two on the H200), two otherwise (193 KB; 209 KB for the summary at 128 columns).
+    slots = 3 if summary and cta_cols == BV else 2
     Nv = vstart.shape[0]
     width = K + V if summary else V
     e_init = summary and init is not None
@@ -257,9 +264,9 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
                     jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32))
     bounds = jnp.stack([vstart, vend], axis=-1).astype(jnp.int32)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, summary=summary, e_init=e_init, wgs=wgs),
+        functools.partial(_kernel, summary=summary, e_init=e_init, wgs=wgs, cols=cta_cols, slots=slots),
         out_type=out_type,
-        grid=(Nv, HV, width // BV),
+        grid=(Nv, HV, width // cta_cols),
         grid_names=("s", "h", "j"),
         num_threads=wgs,
         thread_name="wg",

@@ -42,7 +42,7 @@ def _no_race(interpret):
     assert not (interpret and mgpu_interpreter.get_races().races_found)
 
 
-def _prep(seed):
+def _prep(seed, K=K):
     """Random stage-1 outputs in bf16 (as the GPU stage 1 stores them), decays in (0.5, 1)."""
     ks = jax.random.split(jax.random.key(seed), 6)
     n = lambda key, *shape: (0.1 * jax.random.normal(key, shape)).astype(jnp.bfloat16)
@@ -100,27 +100,29 @@ def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
     np.testing.assert_array_equal(np.asarray(got[1][1]), np.asarray(init[1]))  # no chunks: the start
 
 
-@pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
-def test_summary_mode_matches_the_triton_kernel(block_v, interpret):
+@pytest.mark.parametrize("block_v, cta_cols", [(32, 64), (64, 64), (64, 128)],
+                         ids=["two-warpgroups", "one-warpgroup", "two-warpgroups-of-64"])
+def test_summary_mode_matches_the_triton_kernel(block_v, cta_cols, interpret):
     """Summary mode (``[M | E]`` columns): the whole maps of two segments (1 and 4 chunks), and a
     segment whose E columns start from a state with its M columns skipped (I returned): the
     Triton kernel's results (interpreted, float32 operands) within bf16 rounding; the skipped
-    blocks exactly."""
-    prep = _prep(1)
+    blocks exactly. 128 columns per CTA need K = 128 (each CTA's columns all M or all E)."""
+    Kt = cta_cols if cta_cols > K else K
+    prep = _prep(1, Kt)
     # 4 chunks: one of the summary pass's 3 input slots refilled
     vstart, vend = jnp.array([0, 1], jnp.int32), jnp.array([1, 5], jnp.int32)
-    S0 = random_state(1, (2, HV, K, V))
+    S0 = random_state(1, (2, HV, Kt, V))
     for table in ([[-1, 1, 1], [-1, 1, 1]], [[1, 0, 1], [-1, 0, 0]]):
         table = jnp.array(table, jnp.int32)
         got = prefill_mgpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=block_v,
-                                     interpret=interpret)
+                                     cta_cols=cta_cols, interpret=interpret)
         _no_race(interpret)
         want = prefill_gpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=64,
                                      interpret=True)
         assert_close(got, want, "bf16")
-    eye = np.broadcast_to(np.eye(K), (HV, K, K))
-    np.testing.assert_array_equal(np.asarray(got[:, :, :, :K]), np.stack([eye, eye]))
-    assert not np.any(np.asarray(got[1, :, :, K:]))
+    eye = np.broadcast_to(np.eye(Kt), (HV, Kt, Kt))
+    np.testing.assert_array_equal(np.asarray(got[:, :, :, :Kt]), np.stack([eye, eye]))
+    assert not np.any(np.asarray(got[1, :, :, Kt:]))
 
 
 def _chunk_kda_matches_the_references(cu, x, h0, **kw):
@@ -142,6 +144,22 @@ def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
     x = kda_inputs(5, 1, 264, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16)
     _chunk_kda_matches_the_references(jnp.array([0, 200, 264], jnp.int32), x, random_state(5, (2, 2, 64, 64)),
                                       recurrence="mosaic_gpu", **gpu_run)
+
+
+def test_chunk_kda_with_the_wide_summary(gpu_run, monkeypatch):
+    """The summary pass at 128 columns per CTA inside ``chunk_kda`` (K = V = 128, 3 segments, GVA,
+    initial states, checkpoints), chosen by the planner when its CTAs take fewer waves (one SM
+    here makes every CTA a wave); against the references within bf16 tolerance."""
+    monkeypatch.setattr(prefill, "gpu_core_count", lambda: 1)
+    assert prefill.summary_cta_cols(1, 2, 128, 128, 3) == 128
+    x = kda_inputs(6, 1, 320, 1, 2, 128, 128, lower_bound=-5.0, dtype=jnp.bfloat16)
+    x = (*x[:3], 0.02 * x[3], x[4])  # slow decay: what enters each segment matters at its end
+    cu = jnp.array([0, 320], jnp.int32)
+    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=random_state(6, (1, 2, 128, 128)), cu_seqlens=cu)
+    o, s, _ = prefill.chunk_kda(*x, initial_state=random_state(6, (1, 2, 128, 128)), cu_seqlens=cu,
+                                checkpoint_stride=64, num_segments=3, recurrence="mosaic_gpu", **gpu_run)
+    assert_close(o, o_r, "bf16")
+    assert_close(s, s_r, "bf16")
 
 
 def test_initial_state_hook_with_the_mosaic_recurrence(gpu_run):
@@ -257,3 +275,8 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="takes bf16 intermediates"):
         prefill_mgpu.scan_call(f32_prep, None, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
                                jnp.zeros(NC, jnp.int32), n_ck_slots=1)
+    bounds = (jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.zeros((1, 3), jnp.int32))
+    for kw in (dict(summary=True), dict(summary=True, K=128, block_v=32), dict(K=128), dict(cta_cols=256, K=128)):
+        K_ = kw.pop("K", K)
+        with pytest.raises(ValueError, match="cta_cols is 64"):
+            prefill_mgpu.scan_call(_prep(2, K_), None, *bounds, n_ck_slots=1, **{"cta_cols": 128, **kw})

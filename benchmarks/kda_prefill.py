@@ -3,7 +3,9 @@
 Run on the GPU: ``python3 -m benchmarks.kda_prefill`` (fla-core 0.6.0 importable). Prints one
 JSON row per shape and, after each, writes the rows so far to ``$OUT/kda_prefill.json`` (``--json``
 names another file, for several runs in one device call). Speed is reported only where our bf16
-output matches fla's within 1e-2 (both round to bf16). Each row also gives the time of the
+output matches fla's within 1e-2 (both round to bf16), and within 5e-2 on the same inputs with
+slowly decaying gates (``SLOW_GATE``: segment starts then reach every output of their segment).
+Each row also gives the time of the
 token-parallel stage alone and the planner's segment count; ``--segments`` sweeps it.
 
 Three ratios per row: ``ours_over_fla`` per call (ours by the host clock around dispatch and
@@ -32,6 +34,11 @@ from pallas_kernels.kda._chunk import GPU_PRECISION
 
 SHAPES = [(1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32), (1, 131072, 4), (1, 131072, 12)]
 MATCH_TOL = 1e-2
+# The benchmark's gates forget within tens of tokens, so the state entering a segment reaches few
+# outputs. The same inputs with gates times SLOW_GATE remember across a segment: a wrong segment
+# start (the fold, the summary pass) then moves the outputs by O(1), where the two sides' bf16
+# roundings, accumulated over the longer memory, stay well under SLOW_TOL.
+SLOW_GATE, SLOW_TOL = 1e-3, 5e-2
 
 
 PREP_PRECISIONS = {"auto": None, "x3": GPU_PRECISION}
@@ -104,8 +111,10 @@ def main():
         t_fla = time_torch(theirs, txs, repeats=a.repeats)
         t_fla_b2b = time_back_to_back_calls(lambda: theirs(*tx), lambda _: torch.cuda.synchronize())
         t_fla_dev = sum(fla_kernel_seconds(xs[0]).values())
-        o_f, S_f = theirs(*tx)
-        o_f, S_f = jnp.from_dlpack(o_f.float()), jnp.from_dlpack(S_f.float().contiguous())
+        as_jax = lambda o, S: (jnp.from_dlpack(o.float()), jnp.from_dlpack(S.float().contiguous()))
+        o_f, S_f = as_jax(*theirs(*tx))
+        slow = (*xs[0][:3], SLOW_GATE * xs[0][3], xs[0][4])
+        o_fs, S_fs = as_jax(*theirs(*(to_torch(x) for x in slow)))
         t_prep = {}
         for p, cfg, pp, im, dg, rc, pk in sweep:
             if pk == "auto":  # chunk_kda's choice on the GPU
@@ -126,9 +135,13 @@ def main():
                                    recurrence=None if rc == "auto" else rc, prep_kernel=pk, **cfg))
             o, S = ours(*xs[0])
             err_o, err_s = rel_rms(o.astype(jnp.float32), o_f), rel_rms(S, S_f)
+            o, S = ours(*slow)
+            err_slow = max(rel_rms(o.astype(jnp.float32), o_fs), rel_rms(S, S_fs))
             row = {"B": B, "T": T, "H": H, "K": 128, "V": 128, "segments": P, "planned": plan, **cfg, "prep": pp,
-                   "intermediates": im, "diag": dg, "recurrence": rc, "prep_kernel": pk, "k3_gates": a.k3_gates, "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "ms_fla": t_fla * 1e3}
-            if max(err_o, err_s) > MATCH_TOL:
+                   "intermediates": im, "diag": dg, "recurrence": rc, "prep_kernel": pk, "k3_gates": a.k3_gates,
+                   "err_out_vs_fla": err_o, "err_state_vs_fla": err_s, "err_slow_gates_vs_fla": err_slow,
+                   "ms_fla": t_fla * 1e3}
+            if max(err_o, err_s) > MATCH_TOL or err_slow > SLOW_TOL:
                 row["status"] = "MISMATCH: speed not reported"
             else:
                 t = time_jax(ours, xs, repeats=a.repeats)
@@ -154,7 +167,8 @@ def main():
                   f"{r['ms_fla_b2b']:6.2f} {r['ours_over_fla_b2b']:6.2f} | {'':>7} {r['ms_ours_device']:6.2f} "
                   f"{r['ms_fla_device']:6.2f} {r['ours_over_fla_device']:6.2f}")
         else:
-            print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {r['status']} err {r['err_out_vs_fla']:.1e}")
+            print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['segments']:>3} {r['status']} err {r['err_out_vs_fla']:.1e}, "
+                  f"slow gates {r['err_slow_gates_vs_fla']:.1e}")
 
 
 def cfg_str(r):

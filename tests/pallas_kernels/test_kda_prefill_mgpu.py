@@ -154,12 +154,13 @@ def test_chunk_kda_with_the_wide_summary(gpu_run, monkeypatch):
     assert prefill.summary_cta_cols(1, 2, 128, 128, 3) == 128
     x = kda_inputs(6, 1, 320, 1, 2, 128, 128, lower_bound=-5.0, dtype=jnp.bfloat16)
     x = (*x[:3], 0.02 * x[3], x[4])  # slow decay: what enters each segment matters at its end
-    cu = jnp.array([0, 320], jnp.int32)
-    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=random_state(6, (1, 2, 128, 128)), cu_seqlens=cu)
-    o, s, _ = prefill.chunk_kda(*x, initial_state=random_state(6, (1, 2, 128, 128)), cu_seqlens=cu,
-                                checkpoint_stride=64, num_segments=3, recurrence="mosaic_gpu", **gpu_run)
-    assert_close(o, o_r, "bf16")
-    assert_close(s, s_r, "bf16")
+    cu, h0 = jnp.array([0, 320], jnp.int32), random_state(6, (1, 2, 128, 128))
+    o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
+    _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
+    o, s, ck = prefill.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=3,
+                                 recurrence="mosaic_gpu", **gpu_run)
+    for got, want in ((o, o_r), (s, s_r), (ck, ck_r)):
+        assert_close(got, want, "bf16")
 
 
 def test_initial_state_hook_with_the_mosaic_recurrence(gpu_run):

@@ -88,17 +88,22 @@ def _summary_waves(num_seqs, num_heads, K, V, P, cols, *, num_cores, paid=False)
     return _waves(P * per(K + V) if paid else per(V) + (P - 2) * per(K + V), num_cores)
 
 
+def _summary_cost(num_seqs, num_heads, K, V, P, *, num_cores, block_v=64, paid=False):
+    """``(cost in recurrence chunk steps per chunk, columns per CTA)`` of the cheapest width of the
+    Mosaic GPU summary pass (:func:`pallas_kernels.kda.prefill_mgpu.summary_widths`)."""
+    return min((_SUMMARY_STEP[cols] * _summary_waves(num_seqs, num_heads, K, V, P, cols, num_cores=num_cores,
+                                                     paid=paid), cols)
+               for cols in prefill_mgpu.summary_widths(K, V, block_v))
+
+
 def summary_cta_cols(num_seqs, num_heads, K, V, P, *, num_cores=None, block_v=64, paid=False) -> int:
     """Columns per CTA of the Mosaic GPU summary pass for ``P`` segments: 128 (two warpgroups of
     64; K and V multiples of 128) where its fewer waves outweigh its slower chunks, else 64.
     On the H200 at H = 12, T = 131072 that lets the planner take P = 5 (the recurrence's 120 CTAs
     fill the SMs; the summary's 84 take one wave, 168 at 64 columns take two): the recurrent
     stage 1171 against 1237 us at P = 4; at H = 4, P = 16 the summary 193 against 273 us."""
-    num_cores = num_cores or gpu_core_count()
-    widths = [64] + ([128] if block_v == 64 and K % 128 == 0 and V % 128 == 0 else [])
-    cost = lambda cols: _SUMMARY_STEP[cols] * _summary_waves(num_seqs, num_heads, K, V, P, cols,
-                                                             num_cores=num_cores, paid=paid)
-    return min(widths, key=lambda cols: (cost(cols), cols))
+    return _summary_cost(num_seqs, num_heads, K, V, P, num_cores=num_cores or gpu_core_count(), block_v=block_v,
+                         paid=paid)[1]
 
 
 def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores):
@@ -106,10 +111,7 @@ def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores):
     in recurrence chunk steps: each pass takes ``ceil(CTAs / cores)`` waves of ``chunks / P``
     steps (plus :data:`_WAVE_START`); the summary pass (``chunk_kda`` without an
     ``initial_state_fn``) at the columns per CTA :func:`summary_cta_cols` picks."""
-    summary = 0
-    if P > 1:
-        cols = summary_cta_cols(num_seqs, num_heads, K, V, P, num_cores=num_cores)
-        summary = _SUMMARY_STEP[cols] * _summary_waves(num_seqs, num_heads, K, V, P, cols, num_cores=num_cores)
+    summary = _summary_cost(num_seqs, num_heads, K, V, P, num_cores=num_cores)[0] if P > 1 else 0
     recurrence = _waves(P * gpu_programs(num_seqs, num_heads, V, prefill_mgpu.BV), num_cores)
     return (recurrence + summary) * (chunks / P + _WAVE_START) + _FOLD_STEP * (P - 1)
 
@@ -332,15 +334,12 @@ def chunk_kda(
             # State columns per warpgroup, the same in the summary pass.
             block_v = summary_block_v = block_v or prefill_mgpu.DEFAULT_BLOCK_V
             scan = partial(prefill_mgpu.scan_call, n_ck_slots=n_slots, interpret=bool(interpret))
-            summary_kw = dict(cta_cols=summary_cta_cols(N, HV, K, V, P, block_v=block_v,
-                                                        paid=initial_state_fn is not None))
         else:
             if block_v is None:
                 block_v = 64 if P > 1 or gpu_programs(N, HV, V, 64) >= gpu_core_count() else 32
             scan_precision = default_precision(scan_precision, out_dtype, scan=store == jnp.dtype(jnp.bfloat16))
             scan = partial(prefill_gpu.scan_call, n_ck_slots=n_slots, num_warps=num_warps, num_stages=num_stages,
                            precision=scan_precision, interpret=interpret)
-            summary_kw = {}
         p = jnp.arange(P, dtype=jnp.int32)
         vstart = (cstart[:-1, None] + (p * nch[:, None]) // P).reshape(-1)
         vend = (cstart[:-1, None] + ((p + 1) * nch[:, None]) // P).reshape(-1)
@@ -357,7 +356,9 @@ def chunk_kda(
             else:  # the hook gets every sequence's whole map
                 table, e_start = (np.full((N, P), -1), np.ones((N, P)), np.ones((N, P))), None
             table = jnp.asarray(np.stack(table, axis=-1).reshape(N * P, 3), jnp.int32)
-            ME = scan(prep, e_start, vstart, vend, table, summary=True, block_v=summary_block_v, **summary_kw)
+            cta_cols = {} if recurrence != "mosaic_gpu" else dict(cta_cols=summary_cta_cols(
+                N, HV, K, V, P, block_v=block_v, paid=initial_state_fn is not None))
+            ME = scan(prep, e_start, vstart, vend, table, summary=True, block_v=summary_block_v, **cta_cols)
             M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is None:
                 M = M.at[:, 0].set(0.0)

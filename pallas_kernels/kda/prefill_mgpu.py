@@ -43,6 +43,13 @@ def supported(K, V, C, store_dtype) -> bool:
     return jnp.dtype(store_dtype) == jnp.dtype(_BF16) and C == 64 and K in (64, 128) and V % BV == 0
 
 
+def summary_widths(K, V, block_v):
+    """State columns per CTA the summary pass takes: 64, and 128 (two warpgroups of 64, each CTA's
+    columns all M or all E) where ``block_v`` is 64 and K and V are multiples of 128."""
+    wide = 2 * BV
+    return (BV, wide) if block_v == BV and K % wide == 0 and V % wide == 0 else (BV,)
+
+
 def check_block_v(block_v):
     """State columns per warpgroup: 32 (two warpgroups per CTA) or 64 (one)."""
     if block_v not in (32, 64):
@@ -244,8 +251,7 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
         raise ValueError(f"the Mosaic GPU recurrence takes bf16 intermediates, C = 64, K in (64, 128) and V a "
                          f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
     check_block_v(block_v)
-    wide = cta_cols == 2 * BV and block_v == BV and summary and K % cta_cols == 0 and V % cta_cols == 0
-    if cta_cols != BV and not wide:
+    if cta_cols not in (summary_widths(K, V, block_v) if summary else (BV,)):
         raise ValueError(f"cta_cols is 64, or 128 in summary mode with block_v 64 and K, V multiples of 128; got "
                          f"{cta_cols} (block_v {block_v}, summary {summary}, K={K}, V={V})")
     wgs = cta_cols // block_v

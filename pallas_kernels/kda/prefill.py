@@ -6,7 +6,8 @@ sequence starts on a chunk boundary (padding slots are zero tokens: the identity
 
 Segment-parallel prefill (GPU): when sequences x heads x column blocks cannot fill the device,
 each sequence's chunks are split into ``P`` segments; one pass computes every segment's affine
-map ``(M, E)`` from its own tokens (in parallel), an exclusive associative scan in float32
+map ``(M, E)`` from its own tokens (in parallel), a fold in float32 (a chain of batched
+products, or an associative scan when an ``initial_state_fn`` wants every sequence's whole map)
 gives each segment's true initial state, and a second pass finishes every segment from it.
 :func:`plan_segments` picks ``P``.
 """
@@ -21,7 +22,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
-from k3jax.ops.segments import combine_segments, segment_initial_states
+from k3jax.ops.segments import apply_segment, combine_segments, segment_initial_states
 from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu, prep_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
@@ -70,10 +71,10 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
 _SUMMARY_STEP = {64: 0.8, 128: 1.0}
 # What a wave of CTAs pays besides its chunks (the state in and out, the first loads), in chunks.
 _WAVE_START = 4
-# What a segment adds to the fold of the maps (XLA's slices, concatenations and small GEMMs of the
-# associative scan), in chunks: about 12 us on the H200 at H = 12 (70 us more at P = 11 than at
-# P = 5, 2026-12-02), where a recurrence chunk takes 1.44 us.
-_FOLD_STEP = 8
+# What a segment adds to the fold of the maps (:func:`chained_starts`' batched products and XLA's
+# slices), in chunks: about 8 us on the H200 at H = 12 (90 us more at P = 16 than at P = 5;
+# XLA's associative scan took 156 more, 2026-12-03), where a recurrence chunk takes 1.44 us.
+_FOLD_STEP = 6
 
 
 def _waves(ctas, num_cores):
@@ -114,6 +115,17 @@ def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores):
     summary = _summary_cost(num_seqs, num_heads, K, V, P, num_cores=num_cores)[0] if P > 1 else 0
     recurrence = _waves(P * gpu_programs(num_seqs, num_heads, V, prefill_mgpu.BV), num_cores)
     return (recurrence + summary) * (chunks / P + _WAVE_START) + _FOLD_STEP * (P - 1)
+
+
+def chained_starts(first, M, E, init):
+    """Every segment's starting state when only the starts are needed: ``init``, then ``first``
+    (the first segment's map already applied to ``init``), then ``S_{p+1} = M_p S_p + E_p`` for
+    the middle segments' maps ``M [N, P - 2, HV, K, K]``, ``E [N, P - 2, HV, K, V]``: P - 2 batched
+    products one after another (unrolled) instead of an associative scan's log2 P levels of
+    ``K x K`` compositions. Returns ``[N, P, HV, K, V]``."""
+    step = lambda S, ME: (apply_segment(ME, S),) * 2
+    _, after = jax.lax.scan(step, first, (jnp.moveaxis(M, 1, 0), jnp.moveaxis(E, 1, 0)), unroll=True)
+    return jnp.concatenate([init[:, None], first[:, None], jnp.moveaxis(after, 0, 1)], axis=1)
 
 
 def gpu_programs(rows, num_heads, V, block_v):
@@ -361,11 +373,12 @@ def chunk_kda(
             ME = scan(prep, e_start, vstart, vend, table, summary=True, block_v=summary_block_v, **cta_cols)
             M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is None:
-                M = M.at[:, 0].set(0.0)
+                starts = chained_starts(E[:, 0], M[:, 1:-1], E[:, 1:-1], init)
             else:
                 M_all, E_all = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
                 init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)
-            starts = segment_initial_states((M, E), init).reshape(N * P, HV, K, V)
+                starts = segment_initial_states((M, E), init)
+            starts = starts.reshape(N * P, HV, K, V)
         o, final, ckpts = scan(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, block_v=block_v)
         final = final.reshape(N, P, HV, K, V)[:, -1]
     else:

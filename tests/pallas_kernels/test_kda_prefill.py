@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from k3jax.ops import kda as ref
+from k3jax.ops.segments import apply_segment, segment_initial_states
 from pallas_kernels.kda import prefill, prefill_gpu
 from pallas_kernels.kda._chunk import (GPU_PRECISION, _inverse_body, _merge_inverse, diagonal_inverse_call,
                                       gate_cumsum_call)
@@ -244,6 +245,21 @@ def test_summary_pass_skips_and_starts():
     assert not bool(jnp.allclose(full[1, 0, :, :K], eye))  # the skipped segment's map is not the identity
 
 
+@pytest.mark.parametrize("P", [2, 3, 6])
+def test_chained_starts_match_the_exclusive_scan(P):
+    """The segments' starts as a chain of products equal the reference exclusive scan
+    (``segment_initial_states``) over the same maps, the first already applied to the start."""
+    ks = jax.random.split(jax.random.key(P), 3)
+    N, HV, K, V = 2, 3, 8, 16
+    M = 0.4 * jax.random.normal(ks[0], (N, P, HV, K, K))
+    E = jax.random.normal(ks[1], (N, P, HV, K, V))
+    init = random_state(P, (N, HV, K, V))
+    want = segment_initial_states((M, E), init)
+    got = prefill.chained_starts(apply_segment((M[:, 0], E[:, 0]), init), M[:, 1:-1], E[:, 1:-1], init)
+    assert got.shape == (N, P, HV, K, V)
+    assert_close(got, want, "f32_state")
+
+
 def test_bad_arguments_are_rejected():
     x = kda_inputs(7, 1, 32, 1, 1, 24, 16)
     with pytest.raises(ValueError, match="powers of two"):
@@ -271,9 +287,9 @@ def test_plan_segments():
     # 128 columns per CTA (84 CTAs), two at 64 (168). P = 11 takes two full waves in both passes.
     assert mosaic(1, 12) == 11 and mosaic(1, 4) == 16 and mosaic(1, 4, max_chunks=64) == 4
     cost = partial(prefill.mosaic_segment_cost, 1, 12, 128, 128, 2048, num_cores=132)
-    assert cost(5) == (1 + 1.0 * 1) * (2048 / 5 + 4) + 8 * 4 and cost(1) == 2048 + 4
-    assert cost(4) == (1 + 0.8 * 1) * (512 + 4) + 8 * 3  # 120 summary CTAs at 64 columns: one wave
-    assert cost(11) == (2 + 1.0 * 2) * (2048 / 11 + 4) + 8 * 10 < cost(5) < cost(4)
+    assert cost(5) == (1 + 1.0 * 1) * (2048 / 5 + 4) + 6 * 4 and cost(1) == 2048 + 4
+    assert cost(4) == (1 + 0.8 * 1) * (512 + 4) + 6 * 3  # 120 summary CTAs at 64 columns: one wave
+    assert cost(11) == (2 + 1.0 * 2) * (2048 / 11 + 4) + 6 * 10 < cost(5) < cost(4)
     cols = partial(prefill.summary_cta_cols, 1, num_cores=132)
     assert cols(12, 128, 128, 5) == 128 and cols(12, 128, 128, 4) == 64  # the same waves: the faster chunks
     assert cols(12, 128, 128, 5, block_v=32) == cols(12, 64, 128, 5) == 64  # 128 needs two warpgroups of 64, K % 128

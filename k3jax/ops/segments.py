@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from k3jax.ops.kda import _check_inputs, _einsum, chunk_kda, combine_segments, sequence_maps
 
-__all__ = ["apply_segment", "chunk_kda_segmented", "combine_segments", "segment_initial_states"]
+__all__ = ["apply_segment", "chunk_kda_segmented", "combine_segments", "prefix_starts", "segment_initial_states"]
 
 
 def apply_segment(summary, state):
@@ -31,7 +31,13 @@ def segment_initial_states(summaries, initial_state):
     Returns:
       ``f32[B, P, HV, K, V]``: the state entering each segment.
     """
-    M, E = jax.lax.associative_scan(combine_segments, summaries, axis=1)
+    return prefix_starts(jax.lax.associative_scan(combine_segments, summaries, axis=1), initial_state)
+
+
+def prefix_starts(prefix_maps, initial_state):
+    """The state entering each segment from the inclusive prefix maps ``(M [B, P, HV, K, K],
+    E [B, P, HV, K, V])`` (segments 0..p composed) and ``initial_state f32[B, HV, K, V]``."""
+    M, E = prefix_maps
     after = apply_segment((M[:, :-1], E[:, :-1]), initial_state[:, None])
     return jnp.concatenate([initial_state[:, None], after], axis=1)
 

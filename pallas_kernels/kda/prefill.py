@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
-from k3jax.ops.segments import apply_segment, combine_segments, segment_initial_states
+from k3jax.ops.segments import apply_segment, combine_segments, prefix_starts
 from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu, prep_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
@@ -377,7 +377,7 @@ def chunk_kda(
             else:
                 M_all, E_all = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
                 init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)
-                starts = segment_initial_states((M, E), init)
+                starts = prefix_starts((M_all, E_all), init)  # the same scan, not run again
             starts = starts.reshape(N * P, HV, K, V)
         o, final, ckpts = scan(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, block_v=block_v)
         final = final.reshape(N, P, HV, K, V)[:, -1]

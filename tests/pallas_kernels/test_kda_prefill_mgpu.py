@@ -107,7 +107,7 @@ def test_summary_mode_matches_the_triton_kernel(block_v, cta_cols, interpret):
     segment whose E columns start from a state with its M columns skipped (I returned): the
     Triton kernel's results (interpreted, float32 operands) within bf16 rounding; the skipped
     blocks exactly. 128 columns per CTA need K = 128 (each CTA's columns all M or all E)."""
-    Kt = cta_cols if cta_cols > K else K
+    Kt = max(K, cta_cols)
     prep = _prep(1, Kt)
     # 4 chunks: one of the summary pass's 3 input slots refilled
     vstart, vend = jnp.array([0, 1], jnp.int32), jnp.array([1, 5], jnp.int32)

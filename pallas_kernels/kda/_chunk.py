@@ -12,11 +12,12 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   qg = scale q exp G, kd^T = (k exp(G_C - G))^T, decay = exp(G_C) as a column.
   Off-diagonal 16 x 16 blocks are matmuls anchored at the first row of the row sub-chunk
   (exponents <= 0, no future gate read); diagonal blocks use exact pairwise differences.
-  The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as three
+  The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as
   kernels: per 16-row sub-chunk (:func:`_rows_body`, one warp: anchored 16 x 16 block products,
-  diagonal block included while the gate span allows, exact pairwise differences beyond it;
-  the diagonal block's inverse by block doubling), per chunk the inverse by forward
-  substitution over 16 x 16 blocks (:func:`_inverse_body`, one warp), then per chunk W, U.
+  diagonal block included while the gate span allows, exact pairwise differences beyond it),
+  per chunk the diagonal blocks' inverses by forward substitution over rows
+  (:func:`_diagonal_inverse_body`), the inverse by forward substitution over 16 x 16 blocks
+  (:func:`_inverse_body`, one warp), then W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
   V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels split
   it: the loop carries S only, the outputs come from a parallel kernel (``prefill_gpu``).
@@ -152,26 +153,6 @@ def prep_body(q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kdT_ref, w_ref, u_re
     jax.lax.fori_loop(0, C // SUB, sub_chunk, (jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32)))
 
 
-def _block_mask(n, b):
-    """``(r, c)`` inside one ``2b`` diagonal block, ``r`` in its lower ``b`` half, ``c`` in its upper one."""
-    r, c = _iota((n, n), 0), _iota((n, n), 1)
-    return (jax.lax.div(r, 2 * b) == jax.lax.div(c, 2 * b)) & (jax.lax.div(r, b) > jax.lax.div(c, b))
-
-
-def _merge_inverse(X, N, b0, precision):
-    """``(I + N)^-1`` from ``X``, the inverse of ``I + N``'s ``b0 x b0`` block diagonal (``N`` strictly lower).
-
-    Each level doubles the block: ``X <- X - X (N_b X)``, with ``N_b`` the blocks joining two
-    ``b``-blocks into a ``2b``-block; exact block elimination, not a series, so it needs no
-    cancellation (repeated keys stay exact).
-    """
-    n, b = N.shape[0], b0
-    while b < n:
-        X = X - _dot(X, _dot(jnp.where(_block_mask(n, b), N, 0.0), X, precision), precision)
-        b *= 2
-    return X
-
-
 def _diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece):
     """A sub-chunk's diagonal ``[16, 16]`` blocks of ``q k^T`` and ``k k^T`` with exact pairwise
     decays (causal, diagonal included): per ``k_piece`` slice of K, a local gate cumsum and a
@@ -200,7 +181,7 @@ def _diagonal_exact(q_ref, k_ref, g_ref, rows, k_piece):
 _SPAN_SAFE = 60.0
 
 
-def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_ref, *, scale, precision,
+def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, precision,
                bounded=False, k_piece=16, k_block=64):
     """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
 
@@ -216,10 +197,9 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
     takes its diagonal block from exact pairwise differences (:func:`_diagonal_exact`, computed
     only in sub-chunks that need it). The choice depends on the row's own gates only, so future
     tokens never change a row's bits. ``bounded`` (gates >= -5: spans <= 75, finite): no fallback.
-    Entries right of the causal diagonal are selected away (they may overflow).
-    The diagonal block's unit lower inverse by block doubling (2 -> 16) in IEEE float32. Writes
-    ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal), ``N [16, C]`` (beta Akk left of the diagonal
-    block, zero from it on) and the diagonal block's inverse ``Xd [16, 16]``.
+    Entries right of the causal diagonal are selected away (they may overflow). Writes
+    ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal) and ``N [16, C]`` (beta Akk, strictly lower);
+    :func:`diagonal_inverse_call` inverts N's diagonal blocks.
     """
     C, K = k_ref.shape
     kb = min(k_block, K)
@@ -279,44 +259,50 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, xd_
         deepest = jnp.min(jnp.min(lowest[0], axis=1), axis=0)
         Aq, Ak = jax.lax.cond(deepest < -_SPAN_SAFE, exact, lambda A: A, (Aq, Ak))
     aqk_ref[:, rows] = (scale * jnp.where(c16 <= r16, Aq, 0.0)).astype(aqk_ref.dtype)
-    n_ref[:, rows] = zero
+    n_ref[:, rows] = bi * jnp.where(c16 < r16, Ak, 0.0)
     qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(G_ref[rows, :])).astype(qg_ref.dtype)
-    xd_ref[...] = _diagonal_inverse(bi * jnp.where(c16 < r16, Ak, 0.0))
-
-
-def _diagonal_inverse(D):
-    """``(I + D)^-1`` of a strictly lower ``16 x 16`` block in IEEE float32, by doubling from
-    2 x 2 blocks: their inverses are I - D's entries inside them (what the first level's products
-    give, bit for bit)."""
-    r16, c16 = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
-    return _merge_inverse(jnp.where(r16 == c16, 1.0, 0.0) - jnp.where(_block_mask(SUB, 1), D, 0.0), D, 2, _HI)
 
 
 def _diagonal_inverse_body(n_ref, xd_ref):
-    xd_ref[...] = _diagonal_inverse(n_ref[...])
+    """``(I + D)^-1`` of a chunk's C / 16 diagonal 16 x 16 blocks ``D`` (strictly lower; N's other
+    entries do not enter) at once, by forward substitution over their rows, ``X_i = e_i - sum_{j < i}
+    D_ij X_j``: row ``i`` of every block is one ``[blocks, 16]`` tile (a lane per column of X) and
+    ``D_ij`` of every block one strided load from the flattened ``[C, C]`` tile. IEEE float32
+    multiply-adds; no tensor-core products."""
+    C = xd_ref.shape[0]
+    nb = C // SUB
+    lane = _iota((nb, SUB), 1)
+    X = []
+    for i in range(SUB):
+        x = jnp.where(lane == i, 1.0, 0.0).astype(_F32)
+        for j in range(i):
+            x = x - n_ref[pl.ds(i * C + j, nb, stride=SUB * C + SUB)][:, None] * X[j]  # (16 b + i, 16 b + j)
+        X.append(x)
+        xd_ref[pl.ds(i, nb, stride=SUB), :] = x
 
 
 def diagonal_inverse_call(N, *, compiler_params=None, interpret=False):
     """The inverses of ``I +`` the 16 x 16 diagonal blocks of ``N [HV, TT, C]`` (strictly lower
-    inside each block), one block per program: ``Xd [HV, TT, 16]``, for kernel B after a kernel A
-    that leaves them to it (the Mosaic GPU one). On the H200 at B1 T131k H12 this took 303 us;
-    kernel B forming the four of a chunk one after another cost it 350 us more (2026-12-02)."""
+    inside each block), one chunk per program: ``Xd [HV, TT, 16]``, for kernel B. On the H200 at
+    B1 T131k H12 this took 87 us on two warps (one warp 112, four 138); block doubling (16 x 16
+    products), one block per program, took 303 and a forward substitution one block per
+    program 182 (2026-12-03)."""
     HV, TT, C = N.shape
-    ns = C // SUB
+    NC = TT // C
     return pl.pallas_call(
         _diagonal_inverse_body,
-        grid=(TT // C, HV, ns),
-        in_specs=[pl.BlockSpec((None, SUB, SUB), lambda c, h, i: (h, c * ns + i, i))],
-        out_specs=pl.BlockSpec((None, SUB, SUB), lambda c, h, i: (h, c * ns + i, 0)),
+        grid=(NC, HV),
+        in_specs=[pl.BlockSpec((None, None, C * C), lambda c, h: (h, c, 0))],
+        out_specs=pl.BlockSpec((None, C, SUB), lambda c, h: (h, c, 0)),
         out_shape=jax.ShapeDtypeStruct((HV, TT, SUB), _F32),
         compiler_params=compiler_params,
         interpret=interpret,
-    )(N)
+    )(N.reshape(HV, NC, C * C))
 
 
 def _inverse_body(n_ref, xd_ref, x_ref, *, precision):
     """GPU stage 1, kernel B: one chunk's ``X = (I + N)^-1`` from kernel A's pieces (``N`` strictly
-    lower: beta Akk left of the diagonal blocks; ``Xd [C, 16]`` the diagonal blocks' inverses), by
+    lower, beta Akk, its diagonal blocks not read; ``Xd [C, 16]`` the diagonal blocks' inverses), by
     forward substitution over 16 x 16 blocks: ``X_ij = -X_ii sum_{j <= m < i} N_im X_mj``, exact
     elimination (no series). Blocks are read and written through static ref slices, so every
     product is ``[16, 16] x [16, 16]``.
@@ -382,16 +368,17 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
-                  compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None, interpret=False,
-                  rows_call=None):
-    """GPU stage 1 as three kernels of small programs (many per SM; one fused kernel per chunk was
+                  compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None,
+                  diagonal_compiler_params=None, interpret=False, rows_call=None):
+    """GPU stage 1 as kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
-    over ``(chunk, head, sub-chunk)`` writes qg, Aqk, N's rows and each diagonal block's inverse;
+    over ``(chunk, head, sub-chunk)`` writes qg, Aqk and N's rows (strictly lower, beta Akk);
+    :func:`diagonal_inverse_call` inverts N's 16 x 16 diagonal blocks;
     kernel B over ``(chunk, head)`` forms the chunk's inverse ``X`` (float32, ``[HV, TT, C]``);
     kernel C over ``(chunk, head)`` writes W, U, kd^T, decay.
     Token-major inputs ``q, k [TT, H, K]``, ``v [TT, HV, V]``, ``g [TT, HV, K]``,
     ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for kernel B's
-    products (kernel A's 16 x 16 inverses are IEEE float32), ``precision`` for the products
+    products (the diagonal blocks' inverses are IEEE float32), ``precision`` for the products
     (Aqk, Akk, W, U). ``store_dtype`` is the dtype of the outputs stage 2 reads (qg, Aqk, kd^T,
     W, U; bfloat16 halves their traffic); the inverse's pieces and decay stay float32.
     ``bounded``: see :func:`_rows_body`. ``rows_compiler_params`` and ``inverse_compiler_params``
@@ -401,10 +388,8 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     flat at B1 T131k H12 with K3 gates 2106 us in 2 stages, 2423 in 3),
     ``compiler_params`` the other kernels' (kernel C's slice loops in 2 stages took 1158 us at
     B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
-    1529). ``rows_call``: another kernel A,
-    ``rows_call(q, k, G, beta) -> (qg, Aqk, N)`` with ``N`` strictly lower including the diagonal
-    blocks, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`; their inverses then come from
-    :func:`diagonal_inverse_call`.
+    1529), ``diagonal_compiler_params`` the diagonal inverses'. ``rows_call``: another kernel A,
+    ``rows_call(q, k, G, beta) -> (qg, Aqk, N)``, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -414,18 +399,18 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
     if rows_call is None:
-        qg, aqk, N, Xd = pl.pallas_call(
+        qg, aqk, N = pl.pallas_call(
             partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
             grid=(NC, HV, ns),
             in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
-            out_specs=[sub_rows(K), sub_rows(C), sub_rows(C), sub_rows(SUB)],
-            out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C), f32(HV, TT, SUB)],
+            out_specs=[sub_rows(K), sub_rows(C), sub_rows(C)],
+            out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C)],
             compiler_params=rows_compiler_params,
             interpret=interpret,
         )(q, k, g, G, beta)
     else:
         qg, aqk, N = rows_call(q, k, G, beta)
-        Xd = diagonal_inverse_call(N, compiler_params=inverse_compiler_params, interpret=interpret)
+    Xd = diagonal_inverse_call(N, compiler_params=diagonal_compiler_params, interpret=interpret)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     X = pl.pallas_call(
         partial(_inverse_body, precision=inv_precision),

@@ -172,7 +172,7 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
                          bounded=bounded, rows_call=rows,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=params(num_warps, 2), rows_compiler_params=params(1, 2),
-                         inverse_compiler_params=params(1, 1))
+                         inverse_compiler_params=params(1, 1), diagonal_compiler_params=params(2, 1))
 
 
 def default_recurrence(K, V, chunk_size, store_dtype, block_v=None):

@@ -18,7 +18,7 @@ on rows that are dropped. Each result, block column ``i`` of ``Aqk^T`` and
 placement matrix. That product reads its operand as TF32, so the value goes in as two parts,
 its top 10 mantissa bits and the exact remainder: the placed sums keep float32 accuracy.
 Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictly lower, its diagonal blocks
-included: a Triton kernel inverts those (``_diagonal_inverse_body``).
+included: a Triton kernel inverts those (``_chunk.diagonal_inverse_call``).
 
 The products, the placement and the output tiles are three scopes in turn over one shared
 memory region (86 KB at K = 128 with bf16 outputs), so two CTAs share an SM (ptxas gave it

@@ -22,7 +22,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 from k3jax.ops import kda as ref
 from k3jax.ops.segments import apply_segment, segment_initial_states
 from pallas_kernels.kda import prefill, prefill_gpu
-from pallas_kernels.kda._chunk import (GPU_PRECISION, _inverse_body, _merge_inverse, diagonal_inverse_call,
+from pallas_kernels.kda._chunk import (GPU_PRECISION, _inverse_body, diagonal_inverse_call,
                                       gate_cumsum_call)
 from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
 
@@ -151,15 +151,6 @@ def _strictly_lower_cases(seed, n=64):
     k = rng.standard_normal((n, 32))
     k /= np.linalg.norm(k, axis=1, keepdims=True)
     return np.tril(np.ones((n, n)), -1), np.tril(rng.uniform(0, 1, (n, 1)) * (k @ k.T), -1)
-
-
-def test_block_doubling_inverse_is_exact_elimination():
-    """The GPU body's ``(I + N)^-1`` by block doubling (1 -> 64) against the float64 inverse, on
-    :func:`_strictly_lower_cases`."""
-    n = 64
-    for N in _strictly_lower_cases(0, n):
-        X = _merge_inverse(jnp.eye(n, dtype=jnp.float32), jnp.asarray(N, jnp.float32), 1, jax.lax.Precision.HIGHEST)
-        assert_close(X, np.linalg.inv(np.eye(n) + N), "f32_out")
 
 
 def test_block_forward_substitution_inverse_kernel():
@@ -324,7 +315,7 @@ def test_kernels_lower_for_tpu_and_gpu():
     assert _export("tpu", "tpu", tpu).count("tpu_custom_call") >= 2
     assert _export("tpu", "tpu", tpu, K=256, V=256).count("tpu_custom_call") >= 2
     module = _export("gpu", "cuda", H200, K=256, V=256)
-    assert module.count("xla.gpu.triton") == 6 and module.count("mosaic_gpu_v2") == 0
+    assert module.count("xla.gpu.triton") == 7 and module.count("mosaic_gpu_v2") == 0
     # The summary pass and the recurrence run one pipeline stage there (three overflow the H200's
     # shared memory), three at K = 128.
     scan_stages = lambda m: re.findall(r'name = "_scan_kernel", num_stages = (\d+)', m)

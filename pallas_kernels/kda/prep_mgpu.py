@@ -1,6 +1,8 @@
-"""Kernel A of the GPU token-parallel stage in Mosaic GPU (``plgpu.kernel``), for bounded gates:
-:func:`rows_call`, an alternative to the Triton kernel A of
-:func:`pallas_kernels.kda._chunk.gpu_prep_call`.
+"""Two kernels of the GPU token-parallel stage in Mosaic GPU (``plgpu.kernel``), alternatives to
+Triton ones in :func:`pallas_kernels.kda._chunk.gpu_prep_call`: kernel A for bounded gates
+(:func:`rows_call`) and the chunks' inverses with W, U and kd^T (:func:`wu_call`, below).
+
+Kernel A.
 
 One CTA (one warpgroup) per (chunk, value head). TMA brings the chunk's q, k, gate cumsum G and
 each 16-row sub-chunk's anchor row of G into shared memory in 32-column parts of K, the next two
@@ -28,6 +30,16 @@ one CTA per SM) and 2.10 ms for the Triton kernel A (2026-12-02).
 
 Unbounded gates need the Triton kernel A's per-row span test and exact fallback; that stays on
 Triton.
+
+The inverse with W / U (:func:`wu_call`), after ``_chunk.diagonal_inverse_call`` has written the
+inverses of ``I +`` N's 16 x 16 diagonal blocks into N: persistent CTAs, one per SM, each taking a
+run of (head, chunk) items, the next item's inputs in flight. Per item it forms
+``X = (I + N)^-1 = (I - N') (I + N'^2) Dinv`` with ``N' = Dinv L`` (L the strictly block-lower
+part: four blocks, so ``N'^4 = 0``), then ``W = X (beta k exp G)``, ``U = X (beta v)`` and kd^T,
+all products on the tensor cores with bf16 operand pairs (``hi + lo``, three products each:
+about 2^-16 relative, where the Triton kernels B and C use TF32x3 and single-pass TF32; bf16
+operands may be column-major, TF32 ones may not). X never goes through memory: it replaces the
+Triton kernels B and C.
 """
 
 from __future__ import annotations
@@ -212,3 +224,200 @@ def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):
     kernel = plgpu.kernel(functools.partial(_kernel, scale=scale, rep=HV // H), out_type=out, grid=(TT // C, HV),
                           grid_names=("c", "h"), interpret=interpret)
     return kernel(q, k, G, jnp.moveaxis(beta[..., 0], 1, 0).astype(_F32))
+
+
+# Kernel C in Mosaic GPU: W, U and kd^T of every chunk from its inverse X.
+HALF = 64  # columns per step: one 128-byte swizzled row of bf16
+
+
+def wu_supported(K, V, chunk_size, store_dtype) -> bool:
+    """Whether :func:`wu_call` takes these: chunk 64, K and V in {64, 128}, bf16 outputs."""
+    return chunk_size == C and K in (64, 128) and V in (64, 128) and jnp.dtype(store_dtype) == jnp.bfloat16
+
+
+def _split(x):
+    """``x = hi + lo`` in bfloat16: 16 mantissa bits together, so three bf16 products (dropping
+    ``lo lo``) keep about 2^-16 relative accuracy."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(_F32)).astype(jnp.bfloat16)
+
+
+def _wu_kernel(x_ref, k_ref, v_ref, G_ref, beta_ref, kdT_ref, w_ref, u_ref, *, rep, per, invert):
+    HV, TT, _ = x_ref.shape
+    NC = TT // C
+    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    nk, nv = K // HALF, V // HALF
+    lo = lax.axis_index("b") * per
+    hi = jnp.minimum(lo + per, HV * NC)
+    st = w_ref.dtype
+    lay = plgpu.Layout.WGMMA
+    pin = lambda x: plgpu.layout_cast(x, lay)
+    half = lambda j: pl.ds(j * HALF, HALF)
+    sw = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype, shape[-1]))
+    where = lambda t: (lax.div(t, NC), lax.rem(t, NC))
+    rows_of = lambda c: pl.ds(pl.multiple_of(c * C, C), C)
+
+    def body(x_s, k_s, v_s, gc_s, b_s, G_s, x2_s, r2_s, kd_s, eye_s, out_s, kdT_s, ready, g_ready):
+        def issue(t, slot):
+            """Item t's inputs but G into ``slot``."""
+            h, c = where(t)
+            rows, bar = rows_of(c), ready.at[slot]
+            plgpu.copy_gmem_to_smem(x_ref.at[h, rows], x_s.at[slot], bar)
+            for j in range(nk):
+                plgpu.copy_gmem_to_smem(k_ref.at[rows, h // rep, half(j)], k_s.at[slot, j], bar)
+            for j in range(nv):
+                plgpu.copy_gmem_to_smem(v_ref.at[rows, h, half(j)], v_s.at[slot, j], bar)
+            plgpu.copy_gmem_to_smem(G_ref.at[c * C + C - 1, h], gc_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s.at[slot], bar)
+
+        def issue_G(t):
+            h, c = where(t)
+            for j in range(nk):
+                plgpu.copy_gmem_to_smem(G_ref.at[rows_of(c), h, half(j)], G_s.at[j], g_ready.at[0])
+
+        def stage(buf, value):
+            """``value`` into a staging buffer once the stores before the latest have read theirs."""
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            buf[...] = pin(value.astype(st))
+            plgpu.commit_smem()
+
+        def put(buf, x):
+            """``x`` split into ``buf[0] + buf[1]``."""
+            xh, xl = _split(x)
+            buf[0] = pin(xh)
+            buf[1] = pin(xl)
+
+        def mm(a2, b2):
+            """``a b`` from split operands in shared memory: three bf16 products, awaited."""
+            def run(acc):
+                plgpu.wgmma(acc, a2.at[0], b2.at[0])
+                plgpu.wgmma(acc, a2.at[0], b2.at[1])
+                plgpu.wgmma(acc, a2.at[1], b2.at[0])
+                plgpu.wgmma_wait(0)  # the operands may be rewritten next
+                return acc[...]
+
+            return pl.run_scoped(run, plgpu.ACC((C, b2.shape[-1]), _F32))
+
+        def product(r, out, dst):
+            """``X r`` from the split X in ``x2_s`` and the split ``r``, to ``dst``."""
+            put(r2_s, r)
+            plgpu.commit_smem()
+            stage(out, mm(x2_s, r2_s))
+            plgpu.copy_smem_to_gmem(out, dst)
+
+        iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (C, C), dim, layout=lay)
+        block_row, block_col = pin(lax.div(iota(0), SUB)), pin(lax.div(iota(1), SUB))
+        eye = pin((iota(0) == iota(1)).astype(_F32))
+
+        def inverse(M):
+            """``X = (I + N)^-1`` from ``M``: N's strictly block-lower part ``L`` with the inverses
+            ``Dinv`` of ``I +`` its diagonal blocks in their place. With ``N' = Dinv L`` (four
+            blocks: ``N'^4 = 0``), ``X = (I - N') (I + N'^2) Dinv``: four products."""
+            Dinv = pin(jnp.where(block_row == block_col, M, 0.0))
+            put(x2_s, Dinv)
+            put(r2_s, pin(jnp.where(block_row > block_col, M, 0.0)))
+            plgpu.commit_smem()
+            Np = mm(x2_s, r2_s)  # N'
+            put(x2_s, Np)
+            put(r2_s, Np)  # one buffer cannot be both operands of a product
+            plgpu.commit_smem()
+            T = pin(eye + mm(x2_s, r2_s))
+            put(r2_s, T)
+            plgpu.commit_smem()
+            put(x2_s, pin(T - mm(x2_s, r2_s)))
+            put(r2_s, Dinv)
+            plgpu.commit_smem()
+            return mm(x2_s, r2_s)
+
+        def transposed(j, dst):
+            """``kd^T`` for columns ``half(j)``: ``kd^T I`` with kd read transposed (exact in bf16)."""
+            def run(acc):
+                plgpu.wgmma(acc, kd_s.at[j].T, eye_s)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+
+            stage(kdT_s.at[j], pl.run_scoped(run, plgpu.ACC((HALF, C), _F32)))
+            plgpu.copy_smem_to_gmem(kdT_s.at[j], dst)
+
+        eye_s[...] = pin(eye.astype(jnp.bfloat16))
+        plgpu.commit_smem()
+
+        @pl.when(lo < hi)
+        def _():
+            issue(lo, 0)
+            issue_G(lo)
+
+        def item(t, carry):
+            slot = lax.rem(t - lo, 2)
+            h, c = where(t)
+            rows = rows_of(c)
+
+            @pl.when(t + 1 < hi)
+            def _():
+                issue(t + 1, 1 - slot)  # item t - 1's slot: its reads are fenced
+
+            plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_wait(g_ready.at[0])
+            X = plgpu.load(x_s.at[slot], layout=lay)
+            put(x2_s, inverse(X) if invert else X)
+            beta = pin(lax.broadcast_in_dim(plgpu.load(b_s.at[slot], layout=lay.reduce(1)), (C, HALF), [0]))
+            for j in range(nk):
+                G = plgpu.load(G_s.at[j], layout=lay)
+                k = pin(plgpu.load(k_s.at[slot, j], layout=lay).astype(_F32))
+                gc = pin(lax.broadcast_in_dim(plgpu.load(gc_s.at[slot, half(j)], layout=lay.reduce(0)),
+                                              (C, HALF), [1]))
+                kd_s[j] = pin((k * _exp(gc - G)).astype(jnp.bfloat16))
+                product(pin(beta * k * _exp(G)), out_s.at[j % 2], w_ref.at[h, rows, half(j)])
+
+            @pl.when(t + 1 < hi)
+            def _():
+                issue_G(t + 1)  # G's reads are fenced (the products' stores)
+
+            for j in range(nv):
+                v = pin(plgpu.load(v_s.at[slot, j], layout=lay).astype(_F32))
+                product(pin(beta * v), out_s.at[(nk + j) % 2], u_ref.at[h, rows, half(j)])
+            for j in range(nk):
+                transposed(j, kdT_ref.at[h, c, half(j)])
+            return carry
+
+        lax.fori_loop(lo, hi, item, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        body,
+        sw((2, C, C), _F32), sw((2, nk, C, HALF), k_ref.dtype), sw((2, nv, C, HALF), v_ref.dtype),
+        plgpu.SMEM((2, K), _F32), plgpu.SMEM((2, C), _F32), sw((nk, C, HALF), _F32),
+        sw((2, C, C), jnp.bfloat16), sw((2, C, HALF), jnp.bfloat16), sw((nk, C, HALF), jnp.bfloat16),
+        sw((C, C), jnp.bfloat16), sw((2, C, HALF), st), sw((nk, HALF, C), st),
+        plgpu.Barrier(num_arrivals=3 + nk + nv, num_barriers=2), plgpu.Barrier(num_arrivals=nk, num_barriers=1))
+
+
+def wu_call(k, v, G, beta, X, *, store_dtype, num_ctas, invert=True, interpret=False):
+    """Kernel C in Mosaic GPU: token-major ``k [TT, H, K]``, ``v [TT, HV, V]`` (16-bit), ``G [TT, HV, K]``
+    float32, ``beta [TT, HV, 1]``, the chunks' inverses ``X f32[HV, TT, C]``. Returns
+    ``kd^T [HV, NC, K, C]``, ``W [HV, TT, K]``, ``U [HV, TT, V]`` in ``store_dtype`` and
+    ``decay f32[HV, NC, K, 1]`` (as :func:`pallas_kernels.kda._chunk.gpu_prep_call`).
+
+    ``num_ctas`` persistent CTAs (one per SM: 210 KB of shared memory at K = V = 128) each take
+    a run of (head, chunk) items; per item TMA brings X, k, v, beta and G's last row one item
+    ahead (two slots) and G (one buffer, refilled once W is done). X and the right-hand sides
+    ``beta k exp(G)`` and ``beta v`` go to the tensor cores as bf16 pairs ``hi + lo`` (three
+    products, about 2^-16 relative: bf16 operands can be read column-major, which TF32 ones cannot);
+    kd^T is a product of kd, read transposed, with the identity."""
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    TT, H, K = k.shape
+    HV, V = v.shape[1], v.shape[-1]
+    NC = TT // C
+    if not wu_supported(K, V, C, store_dtype) or TT % C or X.shape != (HV, TT, C):
+        raise ValueError(f"the Mosaic GPU kernel C takes chunk {C}, K and V in (64, 128) and bf16 outputs; got "
+                         f"K={K}, V={V}, {store_dtype}, X {X.shape} for {TT} tokens")
+    items = HV * NC
+    per = -(-items // min(num_ctas, items))
+    out = (jax.ShapeDtypeStruct((HV, NC, K, C), store_dtype), jax.ShapeDtypeStruct((HV, TT, K), store_dtype),
+           jax.ShapeDtypeStruct((HV, TT, V), store_dtype))
+    kernel = plgpu.kernel(functools.partial(_wu_kernel, rep=HV // H, per=per, invert=invert), out_type=out,
+                          grid=(-(-items // per),), grid_names=("b",), interpret=interpret)
+    kdT, W, U = kernel(X, k, v, G, jnp.moveaxis(beta[..., 0], 1, 0).astype(_F32))
+    decay = jnp.exp(jnp.moveaxis(G[C - 1::C], 1, 0))[..., None]  # exp(G_C): [HV, NC, K, 1]
+    return kdT, W, U, decay

@@ -25,7 +25,6 @@ Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, 
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -264,13 +263,13 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, 
     qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(G_ref[rows, :])).astype(qg_ref.dtype)
 
 
-def _diagonal_inverse_body(n_ref, xd_ref, *, into_n=False):
+def _diagonal_inverse_body(n_ref, xd_ref):
     """``(I + D)^-1`` of a chunk's C / 16 diagonal 16 x 16 blocks ``D`` (strictly lower; N's other
     entries do not enter) at once, by forward substitution over their rows, ``X_i = e_i - sum_{j < i}
     D_ij X_j``: row ``i`` of every block is one ``[blocks, 16]`` tile (a lane per column of X) and
     ``D_ij`` of every block one strided load from the flattened ``[C, C]`` tile. IEEE float32
     multiply-adds; no tensor-core products."""
-    C = math.isqrt(n_ref.shape[0])
+    C = xd_ref.shape[0]
     nb = C // SUB
     lane = _iota((nb, SUB), 1)
     X = []
@@ -279,35 +278,26 @@ def _diagonal_inverse_body(n_ref, xd_ref, *, into_n=False):
         for j in range(i):
             x = x - n_ref[pl.ds(i * C + j, nb, stride=SUB * C + SUB)][:, None] * X[j]  # (16 b + i, 16 b + j)
         X.append(x)
-        if into_n:  # row i of block b to (16 b + i, 16 b + [0, 16)) of the flattened tile
-            for b in range(nb):
-                xd_ref[pl.ds((SUB * b + i) * C + SUB * b, SUB)] = jnp.sum(jnp.where(_iota((nb, 1), 0) == b, x, 0.0), axis=0)
-        else:
-            xd_ref[pl.ds(i, nb, stride=SUB), :] = x
+        xd_ref[pl.ds(i, nb, stride=SUB), :] = x
 
 
-def diagonal_inverse_call(N, *, compiler_params=None, interpret=False, into_n=False):
+def diagonal_inverse_call(N, *, compiler_params=None, interpret=False):
     """The inverses of ``I +`` the 16 x 16 diagonal blocks of ``N [HV, TT, C]`` (strictly lower
-    inside each block), one chunk per program: ``Xd [HV, TT, 16]``, for kernel B, or with
-    ``into_n`` N itself (donated) with the inverses in those blocks' place, for
-    :func:`pallas_kernels.kda.prep_mgpu.wu_call`. On the H200 at
+    inside each block), one chunk per program: ``Xd [HV, TT, 16]``, for kernel B. On the H200 at
     B1 T131k H12 this took 87 us on two warps (one warp 112, four 138); block doubling (16 x 16
     products), one block per program, took 303 and a forward substitution one block per
     program 182 (2026-12-03)."""
     HV, TT, C = N.shape
     NC = TT // C
-    flat = pl.BlockSpec((None, None, C * C), lambda c, h: (h, c, 0))
-    out = pl.pallas_call(
-        partial(_diagonal_inverse_body, into_n=into_n),
+    return pl.pallas_call(
+        _diagonal_inverse_body,
         grid=(NC, HV),
-        in_specs=[flat],
-        out_specs=flat if into_n else pl.BlockSpec((None, C, SUB), lambda c, h: (h, c, 0)),
-        out_shape=jax.ShapeDtypeStruct((HV, NC, C * C) if into_n else (HV, TT, SUB), _F32),
-        input_output_aliases={0: 0} if into_n else {},
+        in_specs=[pl.BlockSpec((None, None, C * C), lambda c, h: (h, c, 0))],
+        out_specs=pl.BlockSpec((None, C, SUB), lambda c, h: (h, c, 0)),
+        out_shape=jax.ShapeDtypeStruct((HV, TT, SUB), _F32),
         compiler_params=compiler_params,
         interpret=interpret,
     )(N.reshape(HV, NC, C * C))
-    return out.reshape(HV, TT, C) if into_n else out
 
 
 def _inverse_body(n_ref, xd_ref, x_ref, *, precision):
@@ -379,7 +369,7 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
                   compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None,
-                  diagonal_compiler_params=None, interpret=False, rows_call=None, wu_call=None):
+                  diagonal_compiler_params=None, interpret=False, rows_call=None):
     """GPU stage 1 as kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk and N's rows (strictly lower, beta Akk);
@@ -400,9 +390,6 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
     1529), ``diagonal_compiler_params`` the diagonal inverses'. ``rows_call``: another kernel A,
     ``rows_call(q, k, G, beta) -> (qg, Aqk, N)``, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`.
-    ``wu_call``: another inverse with W / U in place of kernels B and C, ``wu_call(k, v, G, beta, M)
-    -> (kdT, W, U, decay)`` where M is N with the inverses of its diagonal blocks written into them,
-    e.g. :func:`pallas_kernels.kda.prep_mgpu.wu_call`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -423,10 +410,6 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         )(q, k, g, G, beta)
     else:
         qg, aqk, N = rows_call(q, k, G, beta)
-    if wu_call is not None:
-        M = diagonal_inverse_call(N, compiler_params=diagonal_compiler_params, interpret=interpret, into_n=True)
-        kdT, W, U, decay = wu_call(k, v, G, beta, M)
-        return qg, kdT, W, U, aqk, decay
     Xd = diagonal_inverse_call(N, compiler_params=diagonal_compiler_params, interpret=interpret)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     X = pl.pallas_call(

@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.ops import kda as ref
 from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu, prep_mgpu
-from pallas_kernels.kda._chunk import SUB, diagonal_inverse_call
+from pallas_kernels.kda._chunk import SUB
 from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
 from tests.pallas_kernels.test_kda_prefill import H200, _export
 
@@ -223,46 +223,6 @@ def test_kernel_a_matches_exact_products(interpret):
         np.testing.assert_array_equal(np.asarray(a)[:, :t0], np.asarray(b)[:, :t0])
 
 
-def test_inverse_and_wu_kernel_matches_float64(interpret):
-    """The Mosaic GPU inverse + W / U kernel after the diagonal-inverse kernel (its output written
-    into N): W, U, kd^T and decay against float64 (``X = (I + N)^-1`` by ``numpy.linalg.inv``), with
-    slow gates (N's entries up to about beta, so N' and N'^2 matter), GVA, K = 128, V = 64, and two
-    CTAs taking three (head, chunk) items each (both input slots and G's refill)."""
-    NC_, H, HV_, K_, V_ = 3, 1, 2, 128, 64
-    TT = NC_ * C
-    _, k, v, g, beta = (x[0] for x in kda_inputs(11, 1, TT, H, HV_, K_, V_, dtype=jnp.bfloat16, gate_scale=0.05))
-    k = ref.l2norm(k.astype(jnp.float32) + k[:1].astype(jnp.float32)).astype(jnp.bfloat16)  # correlated keys
-    G = jnp.cumsum(g.reshape(NC_, C, HV_, K_), axis=1).reshape(TT, HV_, K_)
-    f64 = lambda x: np.asarray(x, np.float64)
-    chunks = lambda x: f64(x).reshape(NC_, C, HV_, -1).transpose(2, 0, 1, 3)  # [HV, NC, C, width]
-    kc, vc, Gc, bc = chunks(jnp.repeat(k, HV_ // H, axis=1)), chunks(v), chunks(G), chunks(beta[..., None])
-    strict = np.tril(np.ones((C, C)), -1)
-    n = bc * strict * np.einsum("hcid,hcjd->hcij", kc * np.exp(Gc), kc * np.exp(-Gc))
-    assert np.abs(n).max() > 0.3
-    M = diagonal_inverse_call(jnp.asarray(n.reshape(HV_, TT, C), jnp.float32), into_n=True,
-                                      interpret=bool(interpret))
-    kdT, W, U, decay = prep_mgpu.wu_call(k, v, G, beta[..., None], M, store_dtype=jnp.bfloat16, num_ctas=2,
-                                         interpret=interpret)
-    _no_race(interpret)
-    X = np.linalg.inv(np.eye(C) + n)
-    back = lambda x: x.reshape(HV_, TT, -1)
-    # The bf16 outputs' own rounding is about 1.6e-3 relative RMS; without the N'^2 term W was 5.4e-3 off.
-    assert rel_rms(W, back(X @ (bc * kc * np.exp(Gc)))) < 2.5e-3
-    assert rel_rms(U, back(X @ (bc * vc))) < 2.5e-3
-    assert_close(kdT, np.swapaxes(kc * np.exp(Gc[:, :, -1:] - Gc), -1, -2), "bf16")
-    assert_close(decay, np.exp(Gc[:, :, -1, :, None]), "bf16")
-
-
-@pytest.mark.parametrize("bound", [-5.0, None])
-def test_chunk_kda_with_the_mosaic_inverse_and_wu(bound, gpu_run):
-    """``chunk_kda(wu_kernel="mosaic_gpu")`` after either kernel A (Mosaic GPU for bounded gates,
-    Triton otherwise): varlen, GVA, initial states, 64-token checkpoints, 2 segments; against
-    the references within bf16 tolerance."""
-    x = kda_inputs(8, 1, 228, 1, 2, 64, 64, lower_bound=bound, dtype=jnp.bfloat16)
-    _chunk_kda_matches_the_references(jnp.array([0, 100, 228], jnp.int32), x, random_state(8, (2, 2, 64, 64)),
-                                      gate_lower_bound=bound, wu_kernel="mosaic_gpu", **gpu_run)
-
-
 @pytest.mark.parametrize("recurrence", ["mosaic_gpu", pytest.param("triton", marks=pytest.mark.slow)])
 def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
     """``chunk_kda(prep_kernel="mosaic_gpu")`` at the gate bound: varlen (a sequence that is not a
@@ -273,23 +233,21 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
                                       gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence, **gpu_run)
 
 
-def test_the_mosaic_kernels_lower_for_the_h200():
-    """jax.export for an abstract H200 at a serving shape (bf16, K = V = 128, GVA, 2 segments), by
-    counting each lowering's kernels. The recurrence and its summary pass are Mosaic GPU by
-    default, Triton where they do not apply (float32 intermediates) or where a Triton
-    ``block_v`` is given; so, for bounded gates, is kernel A; the inverse with W / U when asked
-    (``wu_kernel``; otherwise the Triton kernels B and C). The gate cumsum and the diagonal
-    blocks' inverses stay on Triton."""
-    count = lambda m: (m.count("mosaic_gpu_v2"), m.count("xla.gpu.triton"))
-    export = partial(_export, "gpu", "cuda", H200)
-    assert count(export(recurrence="mosaic_gpu", wu_kernel="mosaic_gpu")) == (3, 3)
-    assert count(export()) == count(export(wu_kernel="triton")) == (2, 5)
-    assert count(export(intermediate_dtype=jnp.float32)) == (0, 7)
-    assert count(export(block_v=64)) == (0, 7)
-    assert count(export(block_v=64, wu_kernel="mosaic_gpu")) == (1, 5)
-    assert count(export(gate_lower_bound=-5.0)) == count(export(gate_lower_bound=-5.0, prep_kernel="mosaic_gpu")) == (3, 4)
-    assert count(export(gate_lower_bound=-5.0, wu_kernel="mosaic_gpu")) == (4, 2)
-    assert count(export(gate_lower_bound=-5.0, prep_kernel="triton", wu_kernel="mosaic_gpu")) == (3, 3)
+def test_the_mosaic_recurrence_lowers_for_the_h200():
+    """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
+    kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments); the
+    default picks it there, and Triton where it does not apply (float32 intermediates) or where
+    a Triton ``block_v`` is given."""
+    for module in (_export("gpu", "cuda", H200, recurrence="mosaic_gpu"), _export("gpu", "cuda", H200)):
+        assert module.count("mosaic_gpu_v2") == 2 and module.count("xla.gpu.triton") == 5
+    for kw in (dict(intermediate_dtype=jnp.float32), dict(block_v=64)):
+        module = _export("gpu", "cuda", H200, **kw)
+        assert module.count("mosaic_gpu_v2") == 0 and module.count("xla.gpu.triton") == 7
+    # Kernel A too (bounded gates): the cumsum, diagonal inverse, inverse and W / U kernels stay
+    # on Triton. The default where it applies; Triton when asked.
+    for kernel, mosaic in ((None, 3), ("mosaic_gpu", 3), ("triton", 2)):
+        module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, prep_kernel=kernel)
+        assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == 4 + (mosaic == 2)
 
 
 def test_bad_arguments_are_rejected():
@@ -312,10 +270,6 @@ def test_bad_arguments_are_rejected():
                           prep_kernel="mosaic_gpu")
     with pytest.raises(ValueError, match="GPU backend"):
         prefill.chunk_kda(*x, backend="tpu", gate_lower_bound=-5.0, prep_kernel="mosaic_gpu")
-    with pytest.raises(ValueError, match="wu_kernel must be"):
-        run(wu_kernel="mosaic")
-    with pytest.raises(ValueError, match="bfloat16 intermediates, chunk_size 64 and K, V in"):
-        run(wu_kernel="mosaic_gpu", intermediate_dtype=jnp.float32)
     f32_prep = tuple(a.astype(jnp.float32) for a in _prep(2))
     with pytest.raises(ValueError, match="block_v must be 32 or 64"):
         run(recurrence="mosaic_gpu", block_v=128)

@@ -19,8 +19,8 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   (:func:`_diagonal_inverse_body`), the inverse by forward substitution over 16 x 16 blocks
   (:func:`_inverse_body`, one warp), then W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
-  V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels split
-  it: the loop carries S only, the outputs come from a parallel kernel (``prefill_gpu``).
+  V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels
+  (``prefill_gpu``, ``prefill_mgpu``) loop over a sequence's chunks with S in registers.
 """
 
 from __future__ import annotations

@@ -7,24 +7,28 @@ each 16-row sub-chunk's anchor row of G into shared memory in 32-column parts of
 parts' copies in flight while this one is computed, and beta once.
 Every sub-chunk ``i`` is anchored at its first row's G, ``a_i`` (as in the Triton kernel A), so
 the row factors ``exp(G_r - a_i)`` lie in ``[e^-75, 1]`` and the column factors
-``exp(a_i - G_c)`` of the columns up to the sub-chunk's end at most ``e^75`` when every gate is
-at least -5 (normal float32 and TF32); later columns' factors are clamped there (``SPAN``).
+``exp(a_i - G_c)`` of the columns up to the sub-chunk's end in ``[e^-240, e^75]`` when every gate
+is at least -5 (normal float32 and TF32). One exponential per element gives every column's factor
+against its own sub-chunk's anchor; the later anchors' factors follow by per-column products with
+``exp(a_i - a_(i-1)) <= 1`` (a vector), so a column's factor for anchor ``i`` reads no row past
+sub-chunk ``i``'s first, and columns past sub-chunk ``i``'s end are zero.
 WGMMA tiles have 64 rows, and a sub-chunk has 16, so the products run transposed: the chunk's
 64 columns are the M side and sub-chunk ``i``'s rows the N = 16 side,
 ``(k exp(a_i - G))  (q exp(G - a_i))_i^T`` and the same with ``beta k`` (TF32, float32
 accumulation, over the K parts): eight ``64 x 16 x K`` products per chunk, none of them wasted
-on rows that are dropped. Each result, block column ``i`` of ``Aqk^T`` and
-``Akk^T``, is moved to rows ``16 i ..`` of ``[64, 64]`` accumulators by a product with a 0/1
-placement matrix. That product reads its operand as TF32, so the value goes in as two parts,
-its top 10 mantissa bits and the exact remainder: the placed sums keep float32 accuracy.
-Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictly lower, its diagonal blocks
-included: a Triton kernel inverts those (``_chunk.diagonal_inverse_call``).
+on rows that are dropped. Each result, block column ``i`` of ``Aqk^T`` and ``Akk^T``, goes to
+rows ``16 i ..`` of the output tiles by a transposed store: a register relayout to the
+transposed WGMMA layout (a lane shuffle), then a store through the transposed view of a plain
+shared memory tile. Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictly lower, its
+diagonal blocks included: a Triton kernel inverts those (``_chunk.diagonal_inverse_call``).
 
-The products, the placement and the output tiles are three scopes in turn over one shared
-memory region (86 KB at K = 128 with bf16 outputs), so two CTAs share an SM (ptxas gave it
-240 registers, which also allows two): on the H200 at B1 T131k H12 this kernel took 1.42 ms,
-against 1.74 ms with the parts unrolled, 3.21 ms with 64-column halves loaded at once (184 KB,
-one CTA per SM) and 2.10 ms for the Triton kernel A (2026-12-02).
+The products and the output tiles are two scopes in turn over one shared memory region (86 KB
+at K = 128 with bf16 outputs), so two CTAs share an SM (ptxas gave the kernel 240 registers
+before the transposed stores, which also allows two). On the H200 at B1 T131k H12 it takes
+1.28 ms (2026-12-03); 1.42 ms when the later anchors' factors were exponentials of their own
+and the block columns were placed by products with 0/1 matrices (in two TF32-exact parts),
+1.74 ms with the K parts unrolled, 3.21 ms with 64-column halves loaded at once (184 KB, one CTA
+per SM) and 2.10 ms for the Triton kernel A (2026-12-02).
 
 Unbounded gates need the Triton kernel A's per-row span test and exact fallback; that stays on
 Triton.
@@ -40,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda._chunk import SUB, _exp
+from pallas_kernels.kda._chunk import _LOG2_E, SUB, _exp
 from pallas_kernels.kda.prefill_mgpu import _swizzled
 
 _F32 = jnp.float32
@@ -51,12 +55,6 @@ NS = C // SUB
 # at B1 T131k H12 three were 1.7% faster than two (1418 against 1442 us, 2026-12-02; 86 against
 # 70 KB of shared memory, two CTAs per SM either way: registers limit them).
 SLOTS = 3
-# The column factors are exp(min(a_i - G_c, SPAN)): columns up to sub-chunk i's end have
-# a_i - G_c <= 15 x 5 = 75 at the -5 bound, so the clamp leaves them alone; later columns get at
-# most e^75, finite like the upper half of the diagonal block, and their products land only in
-# entries the causal masks drop (the 0/1 placement adds them to nothing else). No mask and
-# select per element: 4% faster than zeroing them (1442 against 1503 us, the same bits).
-SPAN = 75.0
 
 
 def supported(K, chunk_size, dtype, bounded) -> bool:
@@ -102,8 +100,6 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         for x in range(min(SLOTS - 1, nparts)):
             issue(x)
         sub = pin(lax.div(iota((C, PART), 0), SUB))
-        anchor_of = lambda slot, i: pin(lax.broadcast_in_dim(
-            plgpu.load(anchor_row(slot, i), layout=lay.reduce(0)), (C, PART), [1]))
 
         # The parts as a loop, not unrolled: 240 registers instead of 255, 14% faster on the H200.
         @pl.loop(0, nparts)
@@ -113,10 +109,13 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             pl.when(refill < nparts)(lambda: issue(refill))
             plgpu.barrier_wait(ready.at[slot])
             G = plgpu.load(G_s.at[slot], layout=lay)
-            anchor = anchor_of(slot, NS - 1)
+            avec = [plgpu.load(anchor_row(slot, i), layout=lay.reduce(0)) for i in range(NS)]
+            spread = lambda v: pin(lax.broadcast_in_dim(v, (C, PART), [1]))
+            anchor = spread(avec[NS - 1])
             for i in range(NS - 2, -1, -1):
-                anchor = pin(jnp.where(sub == i, anchor_of(slot, i), anchor))
-            e = pin(_exp(G - anchor))
+                anchor = pin(jnp.where(sub == i, spread(avec[i]), anchor))
+            t = pin((G - anchor) * _LOG2_E)  # G_r - a_sub(r), in base 2
+            e = pin(jnp.exp2(t))
             q = pin(plgpu.load(q_s.at[slot], layout=lay).astype(_F32))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # part x - 1's qg has left qg_s
             qg_s[...] = pin((scale * q * _exp(G)).astype(st))
@@ -124,9 +123,16 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, PART), [0]))
             k = pin(plgpu.load(k_s.at[slot], layout=lay).astype(_F32))
             rk_s[...] = pin(beta * k * e)
+            # Column factors: each row's against its own sub-chunk's anchor, exp(a_sub(c) - G_c) in
+            # [1, e^75], then carried to later anchors by exp(a_i - a_(i-1)) <= 1 per column (a
+            # vector): kc_i = k exp(a_i - G) on the rows up to sub-chunk i's end, zero below. Row c
+            # of kc_i reads only a_sub(c) .. a_i, never a later token than sub-chunk i's rows.
+            own = pin(k * jnp.exp2(-t))
+            kc = pin(jnp.where(sub == 0, own, 0.0))
             for i in range(NS):
-                # Columns past sub-chunk i's end only need to stay finite (see SPAN).
-                kc = pin(k * _exp(pin(jnp.minimum(anchor_of(slot, i) - G, SPAN))))
+                if i:
+                    step = spread(jnp.exp2((avec[i] - avec[i - 1]) * _LOG2_E))
+                    kc = pin(jnp.where(sub == i, own, kc * step))
                 # kc_s[i % 2]'s last products (sub-chunk i - 2's) are done: at most the latest pair
                 # is in flight.
                 plgpu.wgmma_wait(2)
@@ -142,35 +148,16 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # qg_s is freed with this scope
         return [a[...] for a in accs]
 
-    def place(P, p_s, e_s):
-        return pl.run_scoped(functools.partial(place_into, P, p_s, e_s), plgpu.ACC((C, C), _F32),
-                             plgpu.ACC((C, C), _F32))
-
-    def place_into(P, p_s, e_s, acc_q, acc_k):
-        """``acc[16 i + t, c] = P_i[c, t]``: ``E_i P_i^T``, P_i in two TF32-exact parts."""
-        r16, c16 = iota((C, SUB), 0), iota((C, SUB), 1)
-        for i in range(NS):  # placement matrices: E_i[r, t] = (r == 16 i + t)
-            e_s[i] = pin((r16 == c16 + i * SUB).astype(_F32))
+    def write(P, aqk_s, n_s):
+        """Block column ``i`` of ``Aqk^T`` and ``Akk^T`` (``[c, t]``: row ``16 i + t``'s products with
+        column ``c``) stored transposed into rows ``16 i ..`` of the output tiles (a register
+        relayout to the transposed WGMMA layout, then a plain shared memory store), masked causal."""
+        col, t = iota((C, SUB), 0), iota((C, SUB), 1)
         for i in range(NS):
-            if i:
-                plgpu.wgmma_wait(0)  # block i - 1's products have read p_s
-            for which in range(2):
-                p = P[which * NS + i]  # [c, t]: row 16 i + t's products with column c
-                bits = pin(lax.bitcast_convert_type(p, jnp.int32) & jnp.int32(-8192))  # 10 mantissa bits
-                hi = pin(lax.bitcast_convert_type(bits, _F32))
-                p_s[which, 0] = hi
-                p_s[which, 1] = pin(p - hi)
-            plgpu.commit_smem()
-            for which, acc in ((0, acc_q), (1, acc_k)):
-                for piece in range(2):  # the top bits, then the remainder
-                    plgpu.wgmma(acc, e_s.at[i], p_s.at[which, piece].T)
-        plgpu.wgmma_wait(0)
-        return acc_q[...], acc_k[...]
-
-    def write(aq, ak, aqk_s, n_s):
-        r2, c2 = iota((C, C), 0), iota((C, C), 1)
-        aqk_s[...] = pin((scale * jnp.where(c2 <= r2, aq, 0.0)).astype(st))
-        n_s[...] = pin(jnp.where(c2 < r2, ak, 0.0))
+            row = t + i * SUB
+            for p, dst, keep, factor in ((P[i], aqk_s, col <= row, scale), (P[NS + i], n_s, col < row, 1.0)):
+                value = pin(jnp.where(keep, factor * p, 0.0)).astype(dst.dtype)
+                dst.at[pl.ds(i * SUB, SUB)].T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[h, rows])
         plgpu.copy_smem_to_gmem(n_s, n_ref.at[h, rows])
@@ -179,8 +166,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     def body(b_s, b_bar):
         plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, b_bar.at[0])
         plgpu.barrier_wait(b_bar.at[0])
-        # Three scopes in turn share their shared memory (86 KB at most at K = 128 with bf16
-        # outputs): the products, the placement, the outputs.
+        # Two scopes in turn share their shared memory (86 KB at most at K = 128 with bf16
+        # outputs): the products, the outputs.
         part_tile = lambda dtype: smem((SLOTS, C, PART), dtype, PART)
         P = pl.run_scoped(functools.partial(products, b_s), part_tile(q_ref.dtype), part_tile(k_ref.dtype),
                           # The anchors unswizzled (rows loaded as vectors), each row 128-byte aligned for TMA.
@@ -188,9 +175,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                           smem((C, PART), _F32, PART), smem((C, PART), _F32, PART), smem((2, C, PART), _F32, PART),
                           smem((C, PART), st, PART),
                           plgpu.Barrier(num_arrivals=3 + NS, num_barriers=SLOTS))
-        aq, ak = pl.run_scoped(functools.partial(place, P), smem((2, 2, C, SUB), _F32, SUB),
-                               smem((NS, C, SUB), _F32, SUB))
-        pl.run_scoped(functools.partial(write, aq, ak), smem((C, C), st, C), smem((C, C), _F32))
+        pl.run_scoped(functools.partial(write, P), smem((C, C), st), smem((C, C), _F32))
 
     pl.run_scoped(body, smem((C,), _F32), plgpu.Barrier(num_arrivals=1, num_barriers=1))
 

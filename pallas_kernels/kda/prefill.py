@@ -67,8 +67,10 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
 # A summary-pass chunk against a recurrence chunk on the H200 (no outputs: two products of four),
 # by columns per CTA. 64 (one warpgroup): 0.80 at H = 12, T = 131072, P = 4 (580 against 728 us
 # over 512 chunks), 0.74 at H = 32, P = 2. 128 (two warpgroups of 64 sharing W and kd^T, half the
-# CTAs): 0.98 at H = 12, P = 5 (581 against 590 us) and at H = 4, P = 16 (193 against 197).
-_SUMMARY_STEP = {64: 0.8, 128: 1.0}
+# CTAs): 0.98 at H = 12, P = 5 (581 against 590 us) and at H = 4, P = 16 (193 against 197). 256
+# (four warpgroups: all K + V columns of a map in one CTA): 1.58 at H = 12, P = 11 (447 us for its
+# one wave against 567 for the recurrence's two, 2026-12-03).
+_SUMMARY_STEP = {64: 0.8, 128: 1.0, 256: 1.6}
 # What a wave of CTAs pays besides its chunks (the state in and out, the first loads), in chunks.
 _WAVE_START = 4
 # What a segment adds to the fold of the maps (:func:`chained_starts`' batched products and XLA's

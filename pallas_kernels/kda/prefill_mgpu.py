@@ -15,8 +15,16 @@ operands, f32 accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32`
 stays float32.
 The outputs leave through shared memory by TMA; checkpoints and final states likewise.
 ``summary=True`` runs the ``[M | E]`` columns as the Triton kernel does (README.md); there a CTA
-may also hold two warpgroups of 64 columns (``cta_cols=128``: 209 KB with two input slots), half
-the CTAs of 64 for a chunk step 1.25-1.35x as long, which pays where it saves a wave.
+may also hold two warpgroups of 64 columns (``cta_cols=128``: 145 KB with two input slots), half
+the CTAs of 64 for a chunk step 1.25-1.35x as long, which pays where it saves a wave, or all
+``K + V = 256`` columns on four warpgroups (``cta_cols=256``: 193 KB; W and kd^T copied once for
+the M and E columns, the M warpgroups read no U), a chunk step about 1.6x a recurrence chunk's.
+The summary pass stages its f32 states in shared memory of their own scopes before and after the
+loop (128 KB at 256 columns), and at 256 columns each ``kd^T V_new`` accumulates onto
+``decay S`` in its own registers (``pl.run_state``): 128 registers per thread, 28 bytes spilled.
+With a separate accumulator and sum (what the Mosaic GPU interpreter runs: it has no
+``run_state``) the pass took 744 against 447 us on the H200 (B1 T131k H12, P = 11, 2026-12-03;
+the same bits).
 """
 
 from __future__ import annotations
@@ -44,10 +52,13 @@ def supported(K, V, C, store_dtype) -> bool:
 
 
 def summary_widths(K, V, block_v):
-    """State columns per CTA the summary pass takes: 64, and 128 (two warpgroups of 64, each CTA's
-    columns all M or all E) where ``block_v`` is 64 and K and V are multiples of 128."""
+    """State columns per CTA the summary pass takes: 64; where ``block_v`` is 64, 128 (two
+    warpgroups of 64, each CTA's columns all M or all E) for K and V multiples of 128, and all
+    ``K + V`` columns (four warpgroups of 64 sharing one copy of W and kd^T) for ``K + V = 256``."""
+    if block_v != BV:
+        return (BV,)
     wide = 2 * BV
-    return (BV, wide) if block_v == BV and K % wide == 0 and V % wide == 0 else (BV,)
+    return (BV,) + ((wide,) if K % wide == 0 and V % wide == 0 else ()) + ((K + V,) if K + V == 4 * BV else ())
 
 
 def check_block_v(block_v):
@@ -64,32 +75,53 @@ def _swizzled(dtype, width):
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _products(w, kdT, u, u_scale, s_smem, vn_smem, qa, ws_acc, kv_acc, *o_acc):
+def _products(w, kdT, u, s_smem, vn_smem, qa, ws_acc, kv_acc, o_acc):
     """One chunk's products on the tensor cores: ``W S`` and ``qg S`` (both need only the state),
-    ``V_new = U - W S`` to shared memory, then ``kd^T V_new`` and ``Aqk V_new`` (``o_acc`` empty in
-    summary mode: no outputs). Each wait leaves the output product in flight, so it overlaps the
-    CUDA-core work of the state's chain: on the H200 the recurrence took 696 us against 727 when
-    the outputs' products were issued after ``kd^T V_new`` and all three awaited (H = 12,
-    T = 131072, P = 4; the same bits). Returns ``kd^T V_new`` and the outputs."""
+    ``V_new = U - W S`` to shared memory, then ``kd^T V_new`` and ``Aqk V_new``. Each wait leaves
+    the output product in flight, so it overlaps the CUDA-core work of the state's chain: on the
+    H200 the recurrence took 696 us against 727 when the outputs' products were issued after
+    ``kd^T V_new`` and all three awaited (H = 12, T = 131072, P = 4; the same bits). Returns
+    ``kd^T V_new`` and the outputs."""
     plgpu.wgmma(ws_acc, w, s_smem)
-    if o_acc:
-        plgpu.wgmma(o_acc[0], qa[0], s_smem)
-    ws = plgpu.wgmma_accumulator_load(ws_acc, wait_n=len(o_acc))
-    vn_smem[...] = ((u if u_scale is None else u_scale * u) - ws).astype(_BF16)
+    plgpu.wgmma(o_acc, qa[0], s_smem)
+    ws = plgpu.wgmma_accumulator_load(ws_acc, wait_n=1)
+    vn_smem[...] = (u.astype(_F32) - ws).astype(_BF16)
     plgpu.commit_smem()
     plgpu.wgmma(kv_acc, kdT, vn_smem)
-    if o_acc:
-        plgpu.wgmma(o_acc[0], qa[1], vn_smem)
-    kv = plgpu.wgmma_accumulator_load(kv_acc, wait_n=len(o_acc))
-    return (kv, *(plgpu.wgmma_accumulator_load(o) for o in o_acc))
+    plgpu.wgmma(o_acc, qa[1], vn_smem)
+    kv = plgpu.wgmma_accumulator_load(kv_acc, wait_n=1)
+    return kv, plgpu.wgmma_accumulator_load(o_acc)
+
+
+def _summary_products(w, kdT, u, u_scale, s_smem, vn_smem, dS, in_place):
+    """A summary chunk: ``V_new = u_scale U - W S`` to shared memory, then the next state
+    ``dS + kd^T V_new`` (``dS = decay S``). ``in_place``: the product accumulates onto ``dS`` in
+    its registers (``pl.run_state``, which the Mosaic GPU interpreter does not run), one
+    ``[K, 64]`` accumulator fewer than a separate product and sum."""
+
+    def v_new(ws_acc):
+        plgpu.wgmma(ws_acc, w, s_smem)
+        ws = plgpu.wgmma_accumulator_load(ws_acc)
+        vn_smem[...] = (u_scale * u.astype(_F32) - ws).astype(_BF16)
+        plgpu.commit_smem()
+
+    pl.run_scoped(v_new, plgpu.ACC(vn_smem.shape, _F32))
+    if in_place:
+        return pl.run_state(lambda acc: plgpu.wgmma(acc, kdT, vn_smem))(plgpu.ACC.init(dS))
+
+    def kv(kv_acc):
+        plgpu.wgmma(kv_acc, kdT, vn_smem)
+        return plgpu.wgmma_accumulator_load(kv_acc)
+
+    return dS + pl.run_scoped(kv, plgpu.ACC(dS.shape, _F32))
 
 
 def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_ref, aqk_ref, *outs, summary: bool,
-            e_init: bool, wgs: int, cols: int, slots: int):
+            e_init: bool, wgs: int, cols: int, slots: int, in_place: bool):
     s, h, j = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("j")
-    wg = lax.axis_index("wg") if wgs > 1 else 0
+    wg = lax.axis_index("wg")
     HV, TT, K = w_ref.shape
-    C = aqk_ref.shape[-1]
+    C, V = aqk_ref.shape[-1], u_ref.shape[-1]
     BW = cols // wgs  # this warpgroup's columns: [j * cols + wg * BW, + BW)
     # Offsets as multiples of their tiles, for the layout inference of the TMA copies.
     span = lambda start, size: pl.ds(pl.multiple_of(start, size), size)
@@ -97,12 +129,19 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
     mine = span(j * cols + wg * BW, BW)
     lo, hi = bounds_ref[s, 0], bounds_ref[s, 1]
     wgmma_layout = plgpu.Layout.WGMMA
+    # The warpgroups that read U: all, but at all K + V columns per CTA only those of the E columns.
+    n_u = wgs if cols < K + V else V // BW
+    # The warpgroup's U buffer (the M warpgroups read the first one, times 0).
+    u_wg = jnp.maximum(wg - (wgs - n_u), 0)
     if summary:
         (final_ref,) = outs
-        nK = K // cols  # the CTA's columns are all M (j < nK) or all E
-        is_m = j < nK
-        ucols = span(jnp.maximum(j - nK, 0) * cols + wg * BW, BW)
-        hi = jnp.where(jnp.where(is_m, ck_ref[s, 1], ck_ref[s, 2]) > 0, hi, lo)
+        col0 = j * cols + wg * BW  # the warpgroup's first column of [M | E]
+        is_m = col0 < K
+        ucols = span(jnp.maximum(col0 - K, 0), BW)
+        # The CTA runs if any of its columns are wanted (its warpgroups share one loop): at K + V
+        # columns per CTA a segment's M columns are computed whenever its E columns are.
+        wanted = ((j * cols < K) & (ck_ref[s, 1] > 0)) | (((j + 1) * cols > K) & (ck_ref[s, 2] > 0))
+        hi = jnp.where(wanted, hi, lo)
         u_scale = jnp.where(is_m, 0.0, 1.0).astype(_F32)  # U = 0 in the M columns
     else:
         o_ref, final_ref, ckpt_ref = outs
@@ -126,58 +165,55 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
         shape, dtype, transforms=_swizzled(dtype, BW) if swizzled else ())
     scratch = dict(
         bufs=[smem((slots, *shape), dtype, sw) for _, shape, dtype, sw in shared],
-        u_bufs=smem((slots, wgs, C, BW), _BF16),
-        ready=plgpu.Barrier(num_arrivals=len(shared) + wgs, num_barriers=slots),
+        u_bufs=smem((slots, n_u, C, BW), _BF16),
+        ready=plgpu.Barrier(num_arrivals=len(shared) + n_u, num_barriers=slots),
         consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
         s_all=smem((wgs, K, BW), _BF16),
         vn_all=smem((wgs, C, BW), _BF16),
-        st_all=smem((wgs, K, BW), _F32, False),
-        st_ready=plgpu.Barrier(num_barriers=wgs),
         o_all=None if summary else smem((wgs, C, BW), o_ref.dtype),
     )
+    # The f32 state's staging buffer (initial, final states and checkpoints through TMA). The
+    # summary pass stages states only before and after its loop, so there it has scopes of its own
+    # and its shared memory is free for the loop's buffers.
+    staging = (smem((wgs, K, BW), _F32, False), plgpu.Barrier(num_barriers=wgs))
 
-    def body(bufs, u_bufs, ready, consumed, s_all, vn_all, st_all, st_ready, o_all):
-        s_smem, vn_smem, st_smem = s_all.at[wg], vn_all.at[wg], st_all.at[wg]
+    def load_state(st_all, st_ready, src):
+        plgpu.copy_gmem_to_smem(src, st_all.at[wg], st_ready.at[wg])
+        plgpu.barrier_wait(st_ready.at[wg])
+        return plgpu.load(st_all.at[wg], layout=wgmma_layout)
+
+    def store_state(st_all, S, dst):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        st_all.at[wg][...] = S
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_all.at[wg], dst)
+
+    def run(S, st_all, bufs, u_bufs, ready, consumed, s_all, vn_all, o_all):
+        """The chunk loop from the state ``S``; returns the final state. ``st_all``: the staging
+        buffer for checkpoints (None in summary mode)."""
+        s_smem, vn_smem = s_all.at[wg], vn_all.at[wg]
 
         def issue(c, slot):
             """Chunk c's inputs into ``slot``: the shared ones by warpgroup 0 once every warpgroup
-            has released the chunk that used the slot before, U by each warpgroup."""
+            has released the chunk that used the slot before, U by each warpgroup that reads it."""
+
+            released = lambda: pl.when(c - slots >= lo)(lambda: plgpu.barrier_wait(consumed.at[slot]))
 
             @pl.when(wg == 0)
             def _():
-                @pl.when(c - slots >= lo)
-                def _():
-                    plgpu.barrier_wait(consumed.at[slot])
-
+                released()
                 for (src, *_), buf in zip(shared, bufs):
                     plgpu.copy_gmem_to_smem(src(c), buf.at[slot], ready.at[slot])
 
-            plgpu.copy_gmem_to_smem(u_ref.at[h, rows_of(c), ucols], u_bufs.at[slot, wg], ready.at[slot])
+            def copy_u():
+                if n_u < wgs:  # the M warpgroups read this buffer too
+                    released()
+                plgpu.copy_gmem_to_smem(u_ref.at[h, rows_of(c), ucols], u_bufs.at[slot, u_wg], ready.at[slot])
 
-        def load_state(src):
-            plgpu.copy_gmem_to_smem(src, st_smem, st_ready.at[wg])
-            plgpu.barrier_wait(st_ready.at[wg])
-            return plgpu.load(st_smem, layout=wgmma_layout)
-
-        def store_state(S, dst):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            st_smem[...] = S
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_smem, dst)
-
-        if summary:
-            rows = plgpu.broadcasted_iota(jnp.int32, (K, BW), 0, layout=wgmma_layout)
-            cidx = plgpu.broadcasted_iota(jnp.int32, (K, BW), 1, layout=wgmma_layout)
-            # [I | 0]: the diagonal of the M columns (pushed past the tile in the E columns).
-            S0 = (rows == cidx + j * cols + wg * BW + jnp.where(is_m, 0, 2 * K)).astype(_F32)
-            if e_init:  # the E columns of a segment whose start is known begin at that state
-                src = ck_ref[s, 0]
-                start = load_state(init_ref.at[jnp.maximum(src, 0), h, :, ucols])
-                # A blend, not a select: Mosaic GPU does not broadcast a scalar predicate.
-                keep = (is_m | (src < 0)).astype(_F32)
-                S0 = keep * S0 + (1.0 - keep) * start
-        else:
-            S0 = load_state(init_ref.at[s, h, :, mine])
+            if n_u == wgs:
+                copy_u()
+            else:
+                pl.when(wg >= wgs - n_u)(copy_u)
 
         for ahead in range(slots - 1):
             @pl.when(lo + ahead < hi)
@@ -194,43 +230,71 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             plgpu.barrier_wait(ready.at[slot])
             w, kdT, decay, *qa = (buf.at[slot] for buf in bufs)
             s_smem[...] = S.astype(_BF16)
-            u = plgpu.load(u_bufs.at[slot, wg], layout=wgmma_layout).astype(_F32)
+            u = plgpu.load(u_bufs.at[slot, u_wg], layout=wgmma_layout)
             d = plgpu.load(decay, layout=wgmma_layout.reduce(1))
             # The fence orders the store above before the tensor cores read it, and the reads of U
             # before the TMA writes the next chunk issues into this slot.
             plgpu.commit_smem()
-            kv, *o = pl.run_scoped(
-                functools.partial(_products, w, kdT, u, u_scale, s_smem, vn_smem, qa),
-                plgpu.ACC((C, BW), _F32), plgpu.ACC((K, BW), _F32), *([] if summary else [plgpu.ACC((C, BW), _F32)]))
+            dS = lax.broadcast_in_dim(d, (K, BW), [0]) * S
+            if summary:
+                S = _summary_products(w, kdT, u, u_scale, s_smem, vn_smem, dS, in_place)
+                plgpu.barrier_arrive(consumed.at[slot])  # done with the slot's shared inputs
+                return S
+            kv, o = pl.run_scoped(
+                functools.partial(_products, w, kdT, u, s_smem, vn_smem, qa),
+                plgpu.ACC((C, BW), _F32), plgpu.ACC((K, BW), _F32), plgpu.ACC((C, BW), _F32))
             plgpu.barrier_arrive(consumed.at[slot])  # done with the slot's shared inputs
-            S = lax.broadcast_in_dim(d, (K, BW), [0]) * S + kv
-            if not summary:
-                o_smem = o_all.at[wg]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_smem[...] = o[0].astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows_of(c), h, mine])
-                slot_ck = ck_ref[c]
+            S = dS + kv
+            o_smem = o_all.at[wg]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[...] = o.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows_of(c), h, mine])
+            slot_ck = ck_ref[c]
 
-                @pl.when(slot_ck >= 0)
-                def _():
-                    store_state(S, ckpt_ref.at[slot_ck, h, :, mine])
+            @pl.when(slot_ck >= 0)
+            def _():
+                store_state(st_all, S, ckpt_ref.at[slot_ck, h, :, mine])
 
             return S
 
-        S = lax.fori_loop(lo, hi, chunk, S0)
+        S = lax.fori_loop(lo, hi, chunk, S)
 
-        @pl.when(wg == 0)
-        def _():  # observe the last chunks' releases as well: no barrier is left mid-phase
+        # Every warpgroup that waits for the releases observes the last chunks' as well: no
+        # barrier is left mid-phase.
+        @pl.when((wg == 0) | ((n_u < wgs) & (wg >= wgs - n_u)))
+        def _():
             for back in range(slots, 0, -1):
                 @pl.when(hi - back >= lo)
                 def _():
                     plgpu.barrier_wait(consumed.at[lax.rem(hi - back - lo, slots)])
 
-        store_state(S, final_ref.at[s, h, :, mine])
+        return S
+
+    def finish(st_all, S):
+        store_state(st_all, S, final_ref.at[s, h, :, mine])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(body, *scratch.values(), collective_axes="wg")
+    if summary:
+        rows = plgpu.broadcasted_iota(jnp.int32, (K, BW), 0, layout=wgmma_layout)
+        cidx = plgpu.broadcasted_iota(jnp.int32, (K, BW), 1, layout=wgmma_layout)
+        # [I | 0]: the diagonal of the M columns (pushed past the tile in the E columns).
+        S0 = (rows == cidx + col0 + jnp.where(is_m, 0, 2 * K)).astype(_F32)
+        if e_init:  # the E columns of a segment whose start is known begin at that state
+            src = ck_ref[s, 0]
+            start = pl.run_scoped(lambda st_all, st_ready: load_state(
+                st_all, st_ready, init_ref.at[jnp.maximum(src, 0), h, :, ucols]), *staging, collective_axes="wg")
+            # A blend, not a select: Mosaic GPU does not broadcast a scalar predicate.
+            keep = (is_m | (src < 0)).astype(_F32)
+            S0 = keep * S0 + (1.0 - keep) * start
+        S = pl.run_scoped(functools.partial(run, S0, None), *scratch.values(), collective_axes="wg")
+        pl.run_scoped(lambda st_all, st_ready: finish(st_all, S), *staging, collective_axes="wg")
+    else:
+        def whole(st_all, st_ready, *refs):
+            S = run(load_state(st_all, st_ready, init_ref.at[s, h, :, mine]), st_all, *refs)
+            finish(st_all, S)
+
+        pl.run_scoped(whole, *staging, *scratch.values(), collective_axes="wg")
 
 
 def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None,
@@ -238,7 +302,7 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
     """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.prefill_gpu.scan_call`
     (``prep`` must hold bfloat16 intermediates, see :func:`supported`). ``block_v``: state columns
     per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs). ``cta_cols``:
-    state columns per CTA, 64, or 128 in summary mode (two warpgroups of 64).
+    state columns per CTA, 64, or in summary mode 128 or ``K + V`` (:func:`summary_widths`).
     ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in the Mosaic GPU
     interpreter (on CPU)."""
     if interpret is True:
@@ -252,12 +316,12 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
                          f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
     check_block_v(block_v)
     if cta_cols not in (summary_widths(K, V, block_v) if summary else (BV,)):
-        raise ValueError(f"cta_cols is 64, or 128 in summary mode with block_v 64 and K, V multiples of 128; got "
+        raise ValueError(f"cta_cols is 64, or in summary mode with block_v 64 one of {summary_widths(K, V, block_v)}; got "
                          f"{cta_cols} (block_v {block_v}, summary {summary}, K={K}, V={V})")
     wgs = cta_cols // block_v
     # Input slots: chunk c + slots - 1's copies are issued before chunk c's work. Three in summary
-    # mode at 64 columns (no qg, Aqk: 177 KB of shared memory at K = 128; 1-2% faster there than
-    # two on the H200), two otherwise (193 KB; 209 KB for the summary at 128 columns).
+    # mode at 64 columns (no qg, Aqk: 145 KB of shared memory at K = 128; 1-2% faster there than
+    # two on the H200), two otherwise (193 KB; 145 KB for the summary at 128 columns, 193 at 256).
     slots = 3 if summary and cta_cols == BV else 2
     Nv = vstart.shape[0]
     width = K + V if summary else V
@@ -270,7 +334,8 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
                     jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32))
     bounds = jnp.stack([vstart, vend], axis=-1).astype(jnp.int32)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, summary=summary, e_init=e_init, wgs=wgs, cols=cta_cols, slots=slots),
+        functools.partial(_kernel, summary=summary, e_init=e_init, wgs=wgs, cols=cta_cols, slots=slots,
+                          in_place=not interpret),
         out_type=out_type,
         grid=(Nv, HV, width // cta_cols),
         grid_names=("s", "h", "j"),

@@ -275,16 +275,18 @@ def test_plan_segments():
     mosaic = partial(plan, recurrence="mosaic_gpu")
     assert mosaic(1, 32) == 2 and mosaic(1, 48) == 1 and mosaic(8, 32, max_chunks=64) == 1
     # H = 12: P = 5 fills the SMs in the recurrence (120 CTAs); its summary pass takes one wave at
-    # 128 columns per CTA (84 CTAs), two at 64 (168). P = 11 takes two full waves in both passes.
+    # 128 columns per CTA (84 CTAs), two at 64 (168). P = 11 takes two full waves in the recurrence
+    # and one in the summary at 256 columns (120 CTAs; 228 at 128).
     assert mosaic(1, 12) == 11 and mosaic(1, 4) == 16 and mosaic(1, 4, max_chunks=64) == 4
     cost = partial(prefill.mosaic_segment_cost, 1, 12, 128, 128, 2048, num_cores=132)
     assert cost(5) == (1 + 1.0 * 1) * (2048 / 5 + 4) + 6 * 4 and cost(1) == 2048 + 4
     assert cost(4) == (1 + 0.8 * 1) * (512 + 4) + 6 * 3  # 120 summary CTAs at 64 columns: one wave
-    assert cost(11) == (2 + 1.0 * 2) * (2048 / 11 + 4) + 6 * 10 < cost(5) < cost(4)
+    assert cost(11) == (2 + 1.6 * 1) * (2048 / 11 + 4) + 6 * 10 < cost(5) < cost(4)
     cols = partial(prefill.summary_cta_cols, 1, num_cores=132)
     assert cols(12, 128, 128, 5) == 128 and cols(12, 128, 128, 4) == 64  # the same waves: the faster chunks
+    assert cols(12, 128, 128, 11) == 256 and cols(4, 128, 128, 16) == 128  # one wave against two; one each
     assert cols(12, 128, 128, 5, block_v=32) == cols(12, 64, 128, 5) == 64  # 128 needs two warpgroups of 64, K % 128
-    assert cols(32, 128, 128, 3, paid=True) == 128  # 192 CTAs at 128 columns (2 waves) against 384 (3)
+    assert cols(32, 128, 128, 3, paid=True) == 256  # 96 CTAs at 256 columns (1 wave) against 192 (2) at 128
     assert plan(1, 4) == 16 and plan(1, 12) == 5 and plan(1, 4, block_v=32) == 8  # fill the 132 SMs
     assert plan(1, 12, block_v=32) == 1  # 2 segments for 48 programs: not worth the summary pass
     assert plan(1, 4, max_chunks=32) == 1  # too short to split

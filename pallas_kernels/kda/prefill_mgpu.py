@@ -148,7 +148,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
         ucols = mine
         u_scale = None
     # Per chunk, shared by the CTA's warpgroups: (source in GMEM, SMEM buffer shape, dtype,
-    # swizzled for WGMMA). Each warpgroup also copies its own U columns.
+    # swizzled for WGMMA). Each warpgroup of E columns also copies its own U columns (n_u of them).
     shared = [
         (lambda c: w_ref.at[h, rows_of(c)], (C, K), _BF16, True),
         (lambda c: kdT_ref.at[h, c], (K, C), _BF16, True),
@@ -316,7 +316,7 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
                          f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
     check_block_v(block_v)
     if cta_cols not in (summary_widths(K, V, block_v) if summary else (BV,)):
-        raise ValueError(f"cta_cols is 64, or in summary mode with block_v 64 one of {summary_widths(K, V, block_v)}; got "
+        raise ValueError(f"cta_cols is 64, or in summary mode one of {summary_widths(K, V, block_v)}; got "
                          f"{cta_cols} (block_v {block_v}, summary {summary}, K={K}, V={V})")
     wgs = cta_cols // block_v
     # Input slots: chunk c + slots - 1's copies are issued before chunk c's work. Three in summary

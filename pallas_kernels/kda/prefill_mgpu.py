@@ -133,6 +133,10 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
     n_u = wgs if cols < K + V else V // BW
     # The warpgroup's U buffer (the M warpgroups read the first one, times 0).
     u_wg = jnp.maximum(wg - (wgs - n_u), 0)
+    copies_u = wg >= wgs - n_u
+    # Who refills a slot waits for every warpgroup's release of it: warpgroup 0 (the shared
+    # inputs) and, where the M warpgroups read the E warpgroups' U buffers, those.
+    waits_for_release = (wg == 0) | (copies_u & (n_u < wgs))
     if summary:
         (final_ref,) = outs
         col0 = j * cols + wg * BW  # the warpgroup's first column of [M | E]
@@ -146,7 +150,6 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
     else:
         o_ref, final_ref, ckpt_ref = outs
         ucols = mine
-        u_scale = None
     # Per chunk, shared by the CTA's warpgroups: (source in GMEM, SMEM buffer shape, dtype,
     # swizzled for WGMMA). Each warpgroup of E columns also copies its own U columns (n_u of them).
     shared = [
@@ -213,7 +216,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             if n_u == wgs:
                 copy_u()
             else:
-                pl.when(wg >= wgs - n_u)(copy_u)
+                pl.when(copies_u)(copy_u)
 
         for ahead in range(slots - 1):
             @pl.when(lo + ahead < hi)
@@ -260,10 +263,8 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
 
         S = lax.fori_loop(lo, hi, chunk, S)
 
-        # Every warpgroup that waits for the releases observes the last chunks' as well: no
-        # barrier is left mid-phase.
-        @pl.when((wg == 0) | ((n_u < wgs) & (wg >= wgs - n_u)))
-        def _():
+        @pl.when(waits_for_release)
+        def _():  # observe the last chunks' releases as well: no barrier is left mid-phase
             for back in range(slots, 0, -1):
                 @pl.when(hi - back >= lo)
                 def _():

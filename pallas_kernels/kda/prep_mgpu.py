@@ -30,6 +30,10 @@ and the block columns were placed by products with 0/1 matrices (in two TF32-exa
 1.74 ms with the K parts unrolled, 3.21 ms with 64-column halves loaded at once (184 KB, one CTA
 per SM) and 2.10 ms for the Triton kernel A (2026-12-02).
 
+G comes from the cumsum kernel. Forming it in here (three tries, the last on 2026-12-03 with exact
+bf16 pieces on the tensor cores: 1.64 against 1.28 ms, the whole call 4.51 against 4.29) costs
+this one-warpgroup kernel more than the G round trip saves (docs/benchmarks.md).
+
 Unbounded gates need the Triton kernel A's per-row span test and exact fallback; that stays on
 Triton.
 """

@@ -5,8 +5,8 @@ one number, this says which stage the time goes to on each side.
 Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (fla-core 0.6.0
 importable; ``--no-fla`` times ours only). ``--segments 4,5`` and ``--block-v 32,64`` time each
 segment count and Mosaic GPU ``block_v`` (default: the planner's and the kernel's defaults);
-``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 kernel A, and ``--mgpu-a 32:2,32:3``
-each layout of the Mosaic GPU one (K columns per part, input buffers).
+``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 kernel A, and ``--mgpu-a 32:3:1,16:3:3``
+each layout of the Mosaic GPU one (K columns per part, input buffers, warpgroups per CTA).
 Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
 per call. Writes ``$OUT/kernel_profile.json``.
 """
@@ -52,7 +52,7 @@ def main():
     ap.add_argument("--prep-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; "
                     "mosaic_gpu needs --k3-gates)")
     ap.add_argument("--mgpu-a", default="",
-                    help="comma list of PART:SLOTS, the Mosaic GPU kernel A's layout "
+                    help="comma list of PART:SLOTS:WGS, the Mosaic GPU kernel A's layout "
                          "(pallas_kernels.kda.prep_mgpu; default: its own), one run each with --prep-kernel mosaic_gpu")
     ap.add_argument("--no-fla", action="store_true", help="time ours only")
     a = ap.parse_args()
@@ -62,7 +62,7 @@ def main():
     layouts = [tuple(map(int, c.split(":"))) for c in a.mgpu_a.split(",")] if a.mgpu_a else [None]
     variants = [(P, bv, pk, lay) for P in options(a.segments) for bv in options(a.block_v)
                 for pk in a.prep_kernel.split(",") for lay in (layouts if pk == "mosaic_gpu" else [None])]
-    own_layout = (prep_mgpu.PART, prep_mgpu.SLOTS)
+    own_layout = (prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS)
     us = lambda table: {k: v * 1e6 for k, v in table.items()}
     for shape in a.shapes.split(";"):
         B, T, H = map(int, shape.split(","))
@@ -74,7 +74,7 @@ def main():
 
         for P, bv, pk, lay in variants:
             # Read when the kernel is traced: each variant is a new jit function.
-            prep_mgpu.PART, prep_mgpu.SLOTS = lay or own_layout
+            prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS = lay or own_layout
             fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
                                            recurrence=bv and "mosaic_gpu", prep_kernel=pk))
             ours = kernel_seconds(lambda: fn(*xs), STEPS)

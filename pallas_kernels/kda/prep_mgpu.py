@@ -2,7 +2,8 @@
 :func:`rows_call`, an alternative to the Triton kernel A of
 :func:`pallas_kernels.kda._chunk.gpu_prep_call`.
 
-One CTA (one warpgroup) per (chunk, value head). TMA brings the chunk's q, k, gate cumsum G and
+One warpgroup per item (chunk, value head), ``WGS`` warpgroups per CTA (one by default),
+items in order with the heads fastest. TMA brings the chunk's q, k, gate cumsum G and
 each 16-row sub-chunk's anchor row of G into shared memory in 32-column parts of K, the next two
 parts' copies in flight while this one is computed, and beta once.
 Every sub-chunk ``i`` is anchored at its first row's G, ``a_i`` (as in the Triton kernel A), so
@@ -23,9 +24,15 @@ shared memory tile. Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictl
 diagonal blocks included: a Triton kernel inverts those (``_chunk.diagonal_inverse_call``).
 
 The products and the output tiles are two scopes in turn over one shared memory region (86 KB
-at K = 128 with bf16 outputs), so two CTAs share an SM (ptxas gave the kernel 240 registers
-before the transposed stores, which also allows two). On the H200 at B1 T131k H12 it takes
-1.28 ms (2026-12-03); 1.42 ms when the later anchors' factors were exponentials of their own
+per warpgroup at K = 128 with bf16 outputs), so two CTAs share an SM (255 registers, which also
+allows two). The kernel is written with warpgroup threads (``num_threads=WGS``; the scopes are
+collective, so a CTA's warpgroups enter each together): on the H200 even at one warpgroup per
+CTA that took 1.18 against 1.28 ms for the same code as a plain one-warpgroup kernel over a
+``(chunk, head)`` grid, with the same bits (B1 T131k H12; 401 against 434 us at H4, 790
+against 859 at T32k H32; 2026-12-03). The cause was not isolated: the grid order alone changed
+nothing. More warpgroups per CTA cap ptxas' registers (168 at three, three warpgroups per SM
+instead of two) but were slower: 1.43 ms with 16-column parts. On the H200 at B1 T131k H12 it
+took 1.28 ms before (2026-12-03); 1.42 ms when the later anchors' factors were exponentials of their own
 and the block columns were placed by products with 0/1 matrices (in two TF32-exact parts),
 1.74 ms with the K parts unrolled, 3.21 ms with 64-column halves loaded at once (184 KB, one CTA
 per SM) and 2.10 ms for the Triton kernel A (2026-12-02).
@@ -59,6 +66,10 @@ NS = C // SUB
 # at B1 T131k H12 three were 1.7% faster than two (1418 against 1442 us, 2026-12-02; 86 against
 # 70 KB of shared memory, two CTAs per SM either way: registers limit them).
 SLOTS = 3
+# Warpgroups per CTA, each on an item (chunk, value head) of its own with its own buffers. On the
+# H200 at B1 T131k H12 (2026-12-03): 1 (two CTAs per SM) 1177 us; with PART 16, 3 (168
+# registers, no spills) 1428, 2 1619; with two input slots, 3 (312 bytes spilled) 1820.
+WGS = 1
 
 
 def supported(K, chunk_size, dtype, bounded) -> bool:
@@ -68,7 +79,16 @@ def supported(K, chunk_size, dtype, bounded) -> bool:
 
 
 def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep):
-    c, h = lax.axis_index("c"), lax.axis_index("h")
+    HV = G_ref.shape[1]
+    wg = lax.axis_index("wg")
+    items = G_ref.shape[0] // C * HV
+    w = lax.axis_index("i") * WGS + wg  # this warpgroup's item: chunk w // HV, head w % HV
+    # The last CTA's spare warpgroups redo the last item without storing it: they still enter
+    # the CTA's shared memory scopes, which synchronise its warpgroups.
+    has_item = w < items
+    w = jnp.minimum(w, items - 1)
+    c, h = lax.div(w, HV), lax.rem(w, HV)
+    store = lambda src, dst: pl.when(has_item)(lambda: plgpu.copy_smem_to_gmem(src, dst))
     K = q_ref.shape[-1]
     nparts = K // PART
     rows = pl.ds(pl.multiple_of(c * C, C), C)
@@ -79,8 +99,11 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     # A part index is a Python int (the first copies) or the loop's traced index.
     part = lambda x: pl.ds(x * PART if isinstance(x, int) else pl.multiple_of(x * PART, PART), PART)
     slot_of = lambda x: x % SLOTS if isinstance(x, int) else lax.rem(x, SLOTS)
-    smem = lambda shape, dtype, width=None: plgpu.SMEM(shape, dtype,
+    # Every warpgroup's own buffers along a leading axis (:func:`mine` takes its part).
+    smem = lambda shape, dtype, width=None: plgpu.SMEM((WGS, *shape), dtype,
                                                        transforms=_swizzled(dtype, width) if width else ())
+    mine = lambda f: lambda *refs: f(*(r.at[wg] for r in refs[:-1]), refs[-1])  # the last: barriers
+    barrier_at = lambda bars, slot: bars.at[wg * SLOTS + slot]
     st = qg_ref.dtype
 
     def products(b_s, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready):
@@ -95,11 +118,12 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
 
         def issue(x):
             slot, cols = slot_of(x), part(x)
+            bar = barrier_at(ready, slot)
             for src, dst in ((q_ref.at[rows, h // rep, cols], q_s), (k_ref.at[rows, h // rep, cols], k_s),
                              (G_ref.at[rows, h, cols], G_s)):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar)
             for i in range(NS):  # the anchors: each sub-chunk's first row of G
-                plgpu.copy_gmem_to_smem(G_ref.at[c * C + i * SUB, h, cols], anchor_row(slot, i), ready.at[slot])
+                plgpu.copy_gmem_to_smem(G_ref.at[c * C + i * SUB, h, cols], anchor_row(slot, i), bar)
 
         for x in range(min(SLOTS - 1, nparts)):
             issue(x)
@@ -112,7 +136,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             slot = slot_of(x)
             refill = x + SLOTS - 1  # the slot it fills was last read by part x - 1 (fenced since)
             pl.when(refill < nparts)(lambda: issue(refill))
-            plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_wait(barrier_at(ready, slot))
             G = plgpu.load(G_s.at[slot], layout=lay)
             avec = [plgpu.load(anchor_row(slot, i), layout=lay.reduce(0)) for i in range(NS)]
             anchor = spread(avec[NS - 1])
@@ -143,7 +167,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                 kc_s[i % 2] = kc
                 plgpu.commit_smem()
                 if i == 0:
-                    plgpu.copy_smem_to_gmem(qg_s, qg_ref.at[h, rows, part(x)])
+                    store(qg_s, qg_ref.at[h, rows, part(x)])
                 block = pl.ds(i * SUB, SUB)
                 plgpu.wgmma(accs[i], kc_s.at[i % 2], rq_s.at[block].T)
                 plgpu.wgmma(accs[NS + i], kc_s.at[i % 2], rk_s.at[block].T)
@@ -163,25 +187,27 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                 value = pin(jnp.where(keep, factor * p, 0.0)).astype(dst.dtype)
                 dst.at[pl.ds(i * SUB, SUB)].T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(aqk_s, aqk_ref.at[h, rows])
-        plgpu.copy_smem_to_gmem(n_s, n_ref.at[h, rows])
+        store(aqk_s, aqk_ref.at[h, rows])
+        store(n_s, n_ref.at[h, rows])
         plgpu.wait_smem_to_gmem(0)
 
     def body(b_s, b_bar):
-        plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, b_bar.at[0])
-        plgpu.barrier_wait(b_bar.at[0])
-        # Two scopes in turn share their shared memory (86 KB at most at K = 128 with bf16
+        b_s = b_s.at[wg]
+        plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, b_bar.at[wg])
+        plgpu.barrier_wait(b_bar.at[wg])
+        # Two scopes in turn share their shared memory (86 KB per warpgroup at K = 128 with bf16
         # outputs): the products, the outputs.
         part_tile = lambda dtype: smem((SLOTS, C, PART), dtype, PART)
-        P = pl.run_scoped(functools.partial(products, b_s), part_tile(q_ref.dtype), part_tile(k_ref.dtype),
+        P = pl.run_scoped(mine(functools.partial(products, b_s)), part_tile(q_ref.dtype), part_tile(k_ref.dtype),
                           # The anchors unswizzled (rows loaded as vectors), each row 128-byte aligned for TMA.
                           part_tile(_F32), smem((SLOTS, NS, max(PART, 32)), _F32),
                           smem((C, PART), _F32, PART), smem((C, PART), _F32, PART), smem((2, C, PART), _F32, PART),
                           smem((C, PART), st, PART),
-                          plgpu.Barrier(num_arrivals=3 + NS, num_barriers=SLOTS))
-        pl.run_scoped(functools.partial(write, P), smem((C, C), st), smem((C, C), _F32))
+                          plgpu.Barrier(num_arrivals=3 + NS, num_barriers=WGS * SLOTS), collective_axes="wg")
+        pl.run_scoped(lambda aqk_s, n_s: write(P, aqk_s.at[wg], n_s.at[wg]), smem((C, C), st), smem((C, C), _F32),
+                      collective_axes="wg")
 
-    pl.run_scoped(body, smem((C,), _F32), plgpu.Barrier(num_arrivals=1, num_barriers=1))
+    pl.run_scoped(body, smem((C,), _F32), plgpu.Barrier(num_arrivals=1, num_barriers=WGS), collective_axes="wg")
 
 
 def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):
@@ -198,6 +224,7 @@ def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):
                          f"K={K}, {q.dtype}, {TT} tokens")
     out = (jax.ShapeDtypeStruct((HV, TT, K), store_dtype), jax.ShapeDtypeStruct((HV, TT, C), store_dtype),
            jax.ShapeDtypeStruct((HV, TT, C), _F32))
-    kernel = plgpu.kernel(functools.partial(_kernel, scale=scale, rep=HV // H), out_type=out, grid=(TT // C, HV),
-                          grid_names=("c", "h"), interpret=interpret)
+    kernel = plgpu.kernel(functools.partial(_kernel, scale=scale, rep=HV // H), out_type=out,
+                          grid=(-(-(TT // C * HV) // WGS),), grid_names=("i",), num_threads=WGS, thread_name="wg",
+                          interpret=interpret)
     return kernel(q, k, G, jnp.moveaxis(beta[..., 0], 1, 0).astype(_F32))

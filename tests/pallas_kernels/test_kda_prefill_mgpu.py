@@ -200,12 +200,17 @@ def _exact_products(q, k, G, beta, scale, rep):
     return aqk, n
 
 
-def test_kernel_a_matches_exact_products(interpret):
+@pytest.mark.parametrize("part, wgs", [(None, None), (16, 3)], ids=["default", "three-warpgroups-per-cta"])
+def test_kernel_a_matches_exact_products(part, wgs, interpret, monkeypatch):
     """The Mosaic GPU kernel A at the gate bound (most gates near -5: spans up to 75 nats per
-    sub-chunk, 320 per chunk), GVA, K = 128 (four parts of K): Aqk, N (diagonal blocks included)
+    sub-chunk, 320 per chunk), GVA, K = 128 (parts of K): Aqk, N (diagonal blocks included)
     and qg against float64 (interpreter: float32 products; compiled: TF32); rows never read later
     tokens (the inputs of the second chunk's row 31, the last row of a sub-chunk, changed: every
-    earlier row bit for bit the same)."""
+    earlier row bit for bit the same). Its four items (chunk, head) one per CTA, or three per CTA
+    in 16-column parts (the second CTA's two spare warpgroups store nothing)."""
+    if part:
+        monkeypatch.setattr(prep_mgpu, "PART", part)
+        monkeypatch.setattr(prep_mgpu, "WGS", wgs)
     TT, H, HV_, K_ = 2 * C, 1, 2, 128
     q, k, _, g, beta = (x[0] for x in kda_inputs(9, 1, TT, H, HV_, K_, K_, lower_bound=-5.0, dtype=jnp.bfloat16,
                                                  gate_scale=4.0))

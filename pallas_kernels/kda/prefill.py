@@ -30,7 +30,7 @@ _F32 = jnp.float32
 
 
 def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, num_cores=None, min_chunks=16,
-                  summary_paid=False, recurrence="triton", K=None):
+                  summary_paid=False, recurrence="triton", K=None, recurrence_widths=(64,)):
     """Segments per sequence for the recurrent stage.
 
     GPU: one program per (segment, head, column block); ``chunk_kda`` runs split sequences at
@@ -42,7 +42,8 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     :func:`mosaic_segment_cost`, the waves of both passes over ``P`` and the fold. On the H200 it
     tracked the measured recurrent stage within 3% at H = 12, T = 131072 for P = 3 to 6 (P = 4:
     1.31 ms, P = 5: 1.51, whose summary pass takes two waves at 64 columns per CTA) and picks
-    P = 2 at H = 32. With the summary at 128 columns per CTA where that saves waves
+    P = 2 at H = 32. The recurrence runs at the cheapest of ``recurrence_widths`` columns per CTA
+    (:func:`recurrence_cta_cols`). With the summary at 128 columns per CTA where that saves waves
     (:func:`summary_cta_cols`) it picks P = 11 at H = 12 (the same whole call as P = 5, 4.81 ms;
     P = 4 at 64 columns 4.84) and was 1-5% faster than the choice before at five other shapes
     (H = 4 to 24, T = 32768 and 131072; docs/benchmarks.md, 2026-12-02).
@@ -56,7 +57,8 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
     num_cores = num_cores or gpu_core_count()
     most = max(max_chunks // min_chunks, 1)
     if recurrence == "mosaic_gpu" and not summary_paid:
-        cost = partial(mosaic_segment_cost, num_seqs, num_heads, K or V, V, max_chunks, num_cores=num_cores)
+        cost = partial(mosaic_segment_cost, num_seqs, num_heads, K or V, V, max_chunks, num_cores=num_cores,
+                       recurrence_widths=recurrence_widths)
         return min(range(1, most + 1), key=lambda P: (cost(P), P))
     programs = gpu_programs(num_seqs, num_heads, V, block_v)
     P = -(-num_cores // programs) if summary_paid else num_cores // programs
@@ -71,6 +73,11 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
 # (four warpgroups: all K + V columns of a map in one CTA): 1.58 at H = 12, P = 11 (447 us for its
 # one wave against 567 for the recurrence's two, 2026-12-03).
 _SUMMARY_STEP = {64: 0.8, 128: 1.0, 256: 1.6}
+# The recurrence's chunk by columns per CTA, against one warpgroup of 64. On the H200 (2026-12-03)
+# a chunk of 128 columns (two warpgroups) took 1.3-1.45x one of 64 in waves of 32-96 CTAs, and
+# 1.8-1.9x in waves of 120-132, where both widths move about 4.1 TB/s (HBM-bound): fewer CTAs
+# pay only where they save waves.
+_RECURRENCE_STEP = {64: 1.0, 128: 1.9}
 # What a wave of CTAs pays besides its chunks (the state in and out, the first loads), in chunks.
 _WAVE_START = 4
 # What a segment adds to the fold of the maps (:func:`chained_starts`' batched products and XLA's
@@ -109,13 +116,27 @@ def summary_cta_cols(num_seqs, num_heads, K, V, P, *, num_cores=None, block_v=64
                          paid=paid)[1]
 
 
-def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores):
+def _recurrence_cost(num_seqs, num_heads, V, P, widths, *, num_cores):
+    """``(cost in recurrence chunk steps per chunk, columns per CTA)`` of the cheapest of the
+    Mosaic GPU recurrence's ``widths`` (:func:`pallas_kernels.kda.prefill_mgpu.recurrence_widths`)."""
+    return min((_RECURRENCE_STEP[cols] * _waves(P * gpu_programs(num_seqs, num_heads, V, cols), num_cores), cols)
+               for cols in widths)
+
+
+def recurrence_cta_cols(num_seqs, num_heads, V, P, widths, *, num_cores=None) -> int:
+    """Columns per CTA of the Mosaic GPU recurrence for ``P`` segments: of ``widths``, the one whose
+    waves cost least (:data:`_RECURRENCE_STEP`)."""
+    return _recurrence_cost(num_seqs, num_heads, V, P, widths, num_cores=num_cores or gpu_core_count())[1]
+
+
+def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores, recurrence_widths=(64,)):
     """The Mosaic GPU recurrent stage's time for ``P`` segments of sequences of ``chunks`` chunks,
-    in recurrence chunk steps: each pass takes ``ceil(CTAs / cores)`` waves of ``chunks / P``
-    steps (plus :data:`_WAVE_START`); the summary pass (``chunk_kda`` without an
-    ``initial_state_fn``) at the columns per CTA :func:`summary_cta_cols` picks."""
+    in recurrence chunk steps (at 64 columns per CTA): each pass takes ``ceil(CTAs / cores)``
+    waves of ``chunks / P`` steps (plus :data:`_WAVE_START`), the recurrence at the cheapest of
+    its ``recurrence_widths``, the summary pass (``chunk_kda`` without an ``initial_state_fn``)
+    at the columns per CTA :func:`summary_cta_cols` picks."""
     summary = _summary_cost(num_seqs, num_heads, K, V, P, num_cores=num_cores)[0] if P > 1 else 0
-    recurrence = _waves(P * gpu_programs(num_seqs, num_heads, V, prefill_mgpu.BV), num_cores)
+    recurrence = _recurrence_cost(num_seqs, num_heads, V, P, recurrence_widths, num_cores=num_cores)[0]
     return (recurrence + summary) * (chunks / P + _WAVE_START) + _FOLD_STEP * (P - 1)
 
 
@@ -342,11 +363,14 @@ def chunk_kda(
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
                         num_warps=prep_num_warps, store_dtype=store, bounded=gate_lower_bound is not None,
                         interpret=interpret, kernel=prep_kernel)
-        P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", K=K,
-                                          summary_paid=initial_state_fn is not None, recurrence=recurrence)
+        widths = (64,)
         if recurrence == "mosaic_gpu":
             # State columns per warpgroup, the same in the summary pass.
             block_v = summary_block_v = block_v or prefill_mgpu.DEFAULT_BLOCK_V
+            widths = prefill_mgpu.recurrence_widths(K, V, block_v, out_dtype)
+        P = num_segments or plan_segments(N, HV, V, int(T // C) + 1, backend="gpu", K=K, recurrence_widths=widths,
+                                          summary_paid=initial_state_fn is not None, recurrence=recurrence)
+        if recurrence == "mosaic_gpu":
             scan = partial(prefill_mgpu.scan_call, n_ck_slots=n_slots, interpret=bool(interpret))
         else:
             if block_v is None:
@@ -381,7 +405,8 @@ def chunk_kda(
                 init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)
                 starts = prefix_starts((M_all, E_all), init)  # the same scan, not run again
             starts = starts.reshape(N * P, HV, K, V)
-        o, final, ckpts = scan(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, block_v=block_v)
+        cta_cols = {} if recurrence != "mosaic_gpu" else dict(cta_cols=recurrence_cta_cols(N, HV, V, P, widths))
+        o, final, ckpts = scan(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, block_v=block_v, **cta_cols)
         final = final.reshape(N, P, HV, K, V)[:, -1]
     else:
         head = lambda x: jnp.moveaxis(x, 1, 0)

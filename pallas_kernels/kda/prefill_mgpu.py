@@ -13,7 +13,11 @@ shared memory as bfloat16 (the operand of ``W S`` and ``qg S``) and so does ``V_
 (of ``Aqk V_new`` and ``kd^T V_new``); the four products run on the tensor cores (WGMMA, bf16
 operands, f32 accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state
 stays float32.
-The outputs leave through shared memory by TMA; checkpoints and final states likewise.
+The outputs leave through shared memory by TMA; checkpoints and final states likewise, staged in
+memory the state and V_new tiles share (a ``RefUnion``; with several warpgroups between CTA-wide
+syncs). The recurrence may also hold two warpgroups of 64 columns in a CTA (``cta_cols=128``, 16-bit
+outputs: 209 KB at K = 128), half the CTAs for a chunk 1.3-1.45x as long in small waves and 1.8-1.9x
+in full ones (HBM-bound at either width), which pays where it saves waves.
 ``summary=True`` runs the ``[M | E]`` columns as the Triton kernel does (README.md); there a CTA
 may also hold two warpgroups of 64 columns (``cta_cols=128``: 145 KB with two input slots), half
 the CTAs of 64 for a chunk step 1.25-1.35x as long, which pays where it saves a wave, or all
@@ -59,6 +63,14 @@ def summary_widths(K, V, block_v):
         return (BV,)
     wide = 2 * BV
     return (BV,) + ((wide,) if K % wide == 0 and V % wide == 0 else ()) + ((K + V,) if K + V == 4 * BV else ())
+
+
+def recurrence_widths(K, V, block_v, out_dtype):
+    """State columns per CTA the recurrence takes: 64; where ``block_v`` is 64, V a multiple of 128
+    and the outputs 16-bit, also 128 (two warpgroups of 64 sharing W, kd^T, qg, Aqk and the decay:
+    209 KB of shared memory at K = 128)."""
+    wide = block_v == BV and V % (2 * BV) == 0 and jnp.dtype(out_dtype).itemsize == 2
+    return (BV, 2 * BV) if wide else (BV,)
 
 
 def check_block_v(block_v):
@@ -166,35 +178,42 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
     # bf16 operand the same (64 bytes at 32 columns, 128 at 64).
     smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(
         shape, dtype, transforms=_swizzled(dtype, BW) if swizzled else ())
+    # Each warpgroup's operand tiles: the state and V_new in bf16 (and its output tile).
+    tiles = (smem((wgs, K, BW), _BF16), smem((wgs, C, BW), _BF16)) + (
+        () if summary else (smem((wgs, C, BW), o_ref.dtype),))
+    # The f32 state's staging buffer (initial, final states and checkpoints through TMA). The
+    # summary pass stages states only before and after its loop, so there it has scopes of its own
+    # and its shared memory is free for the loop's buffers; the recurrence's staging shares the
+    # tiles' memory (a ``RefUnion``), used between CTA-wide syncs (``synced``).
+    staging = (smem((wgs, K, BW), _F32, False), plgpu.Barrier(num_barriers=wgs))
     scratch = dict(
+        tiles=tiles if summary else plgpu.RefUnion(tiles, staging[0]),
         bufs=[smem((slots, *shape), dtype, sw) for _, shape, dtype, sw in shared],
         u_bufs=smem((slots, n_u, C, BW), _BF16),
         ready=plgpu.Barrier(num_arrivals=len(shared) + n_u, num_barriers=slots),
         consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
-        s_all=smem((wgs, K, BW), _BF16),
-        vn_all=smem((wgs, C, BW), _BF16),
-        o_all=None if summary else smem((wgs, C, BW), o_ref.dtype),
     )
-    # The f32 state's staging buffer (initial, final states and checkpoints through TMA). The
-    # summary pass stages states only before and after its loop, so there it has scopes of its own
-    # and its shared memory is free for the loop's buffers.
-    staging = (smem((wgs, K, BW), _F32, False), plgpu.Barrier(num_barriers=wgs))
+    if not summary:
+        scratch.update(st_ready=staging[1], synced=plgpu.Barrier(num_arrivals=wgs))
 
     def load_state(st_all, st_ready, src):
         plgpu.copy_gmem_to_smem(src, st_all.at[wg], st_ready.at[wg])
         plgpu.barrier_wait(st_ready.at[wg])
         return plgpu.load(st_all.at[wg], layout=wgmma_layout)
 
-    def store_state(st_all, S, dst):
+    def store_state(st_all, S, dst, sync=lambda: None):
+        """``S`` to ``dst`` through the staging buffer; ``sync`` where the staging shares memory
+        with the other warpgroups' tiles: after this warpgroup's earlier stores have read theirs."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        sync()
         st_all.at[wg][...] = S
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(st_all.at[wg], dst)
 
-    def run(S, st_all, bufs, u_bufs, ready, consumed, s_all, vn_all, o_all):
-        """The chunk loop from the state ``S``; returns the final state. ``st_all``: the staging
-        buffer for checkpoints (None in summary mode)."""
-        s_smem, vn_smem = s_all.at[wg], vn_all.at[wg]
+    def run(S, tiles, bufs, u_bufs, ready, consumed, checkpoint=None):
+        """The chunk loop from the state ``S``; returns the final state. ``checkpoint(S, dst)``
+        stores a checkpoint (not in summary mode)."""
+        s_smem, vn_smem = tiles[0].at[wg], tiles[1].at[wg]
 
         def issue(c, slot):
             """Chunk c's inputs into ``slot``: the shared ones by warpgroup 0 once every warpgroup
@@ -248,16 +267,14 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
                 plgpu.ACC((C, BW), _F32), plgpu.ACC((K, BW), _F32), plgpu.ACC((C, BW), _F32))
             plgpu.barrier_arrive(consumed.at[slot])  # done with the slot's shared inputs
             S = dS + kv
-            o_smem = o_all.at[wg]
+            o_smem = tiles[2].at[wg]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_smem[...] = o.astype(o_smem.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows_of(c), h, mine])
             slot_ck = ck_ref[c]
 
-            @pl.when(slot_ck >= 0)
-            def _():
-                store_state(st_all, S, ckpt_ref.at[slot_ck, h, :, mine])
+            pl.when(slot_ck >= 0)(lambda: checkpoint(S, ckpt_ref.at[slot_ck, h, :, mine]))
 
             return S
 
@@ -288,14 +305,29 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             # A blend, not a select: Mosaic GPU does not broadcast a scalar predicate.
             keep = (is_m | (src < 0)).astype(_F32)
             S0 = keep * S0 + (1.0 - keep) * start
-        S = pl.run_scoped(functools.partial(run, S0, None), *scratch.values(), collective_axes="wg")
+        S = pl.run_scoped(functools.partial(run, S0), *scratch.values(), collective_axes="wg")
         pl.run_scoped(lambda st_all, st_ready: finish(st_all, S), *staging, collective_axes="wg")
     else:
-        def whole(st_all, st_ready, *refs):
-            S = run(load_state(st_all, st_ready, init_ref.at[s, h, :, mine]), st_all, *refs)
-            finish(st_all, S)
+        def whole(union, bufs, u_bufs, ready, consumed, st_ready, synced):
+            tiles, st_all = union
 
-        pl.run_scoped(whole, *staging, *scratch.values(), collective_axes="wg")
+            def sync():  # every warpgroup of the CTA gets here
+                if wgs > 1:
+                    plgpu.barrier_arrive(synced)
+                    plgpu.barrier_wait(synced)
+
+            def checkpoint(S, dst):
+                store_state(st_all, S, dst, sync)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                sync()  # every staging buffer is read before the next chunk writes the tiles
+
+            S = load_state(st_all, st_ready, init_ref.at[s, h, :, mine])
+            sync()
+            S = run(S, tiles, bufs, u_bufs, ready, consumed, checkpoint=checkpoint)
+            store_state(st_all, S, final_ref.at[s, h, :, mine], sync)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(whole, *scratch.values(), collective_axes="wg")
 
 
 def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None,
@@ -303,7 +335,8 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
     """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.prefill_gpu.scan_call`
     (``prep`` must hold bfloat16 intermediates, see :func:`supported`). ``block_v``: state columns
     per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs). ``cta_cols``:
-    state columns per CTA, 64, or in summary mode 128 or ``K + V`` (:func:`summary_widths`).
+    state columns per CTA, 64, or 128 (:func:`recurrence_widths`), in summary mode 128 or ``K + V``
+    (:func:`summary_widths`).
     ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs the kernel in the Mosaic GPU
     interpreter (on CPU)."""
     if interpret is True:
@@ -316,9 +349,10 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
         raise ValueError(f"the Mosaic GPU recurrence takes bf16 intermediates, C = 64, K in (64, 128) and V a "
                          f"multiple of 64; got {W.dtype}, C={C}, K={K}, V={V}")
     check_block_v(block_v)
-    if cta_cols not in (summary_widths(K, V, block_v) if summary else (BV,)):
-        raise ValueError(f"cta_cols is 64, or in summary mode one of {summary_widths(K, V, block_v)}; got "
-                         f"{cta_cols} (block_v {block_v}, summary {summary}, K={K}, V={V})")
+    widths = summary_widths(K, V, block_v) if summary else recurrence_widths(K, V, block_v, out_dtype)
+    if cta_cols not in widths:
+        raise ValueError(f"cta_cols is one of {widths} here; got {cta_cols} (block_v {block_v}, summary {summary}, "
+                         f"K={K}, V={V}, out_dtype {None if summary else jnp.dtype(out_dtype).name})")
     wgs = cta_cols // block_v
     # Input slots: chunk c + slots - 1's copies are issued before chunk c's work. Three in summary
     # mode at 64 columns (no qg, Aqk: 145 KB of shared memory at K = 128; 1-2% faster there than

@@ -76,12 +76,16 @@ def _bf16(x):
     return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-@pytest.mark.parametrize("block_v", [32, 64], ids=["two-warpgroups", "one-warpgroup"])
-def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
+@pytest.mark.parametrize("block_v, cta_cols, out_dtype", [(32, 64, jnp.float32), (64, 64, jnp.float32),
+                                                       (64, 128, jnp.bfloat16)],
+                         ids=["two-warpgroups", "one-warpgroup", "two-warpgroups-of-64"])
+def test_recurrence_matches_the_bf16_operand_replay(block_v, cta_cols, out_dtype, interpret):
     """Three virtual sequences (one chunk, none, four: input slots refilled), initial states,
     checkpoints after chunks 0 and 2: outputs, final states and checkpoints match the replay with
-    bf16 operands, closer than the float32-operand replay does (the rounding is the kernel's),
-    with no race (two warpgroups share a CTA's inputs, or one per CTA). The compiled kernel sums
+    bf16 operands, closer than the float32-operand replay does (the rounding is the kernel's; bf16
+    outputs against the replays' rounded to bf16), with no race (two warpgroups share a CTA's
+    inputs, or one per CTA; at 128 columns per CTA the state's staging shares the memory of both
+    warpgroups' tiles). The compiled kernel sums
     its products in another order than NumPy, and these random maps grow such differences 5-10x
     a chunk: on the H200 the outputs' error was 1.4e-7 in the one-chunk sequence and 1.5e-6,
     8.8e-6, 7.5e-5, 1.4e-4 over the four-chunk one's (7.4e-5 in all), against 1.8e-3 to 2.5e-3
@@ -91,10 +95,13 @@ def test_recurrence_matches_the_bf16_operand_replay(block_v, interpret):
     ck_slot = np.array([0, -1, 1, -1, -1], np.int32)
     init = random_state(0, (3, HV, K, V))
     got = prefill_mgpu.scan_call(prep, init, jnp.asarray(vstart), jnp.asarray(vend), jnp.asarray(ck_slot),
-                                 n_ck_slots=2, out_dtype=jnp.float32, block_v=block_v, interpret=interpret)
+                                 n_ck_slots=2, out_dtype=out_dtype, block_v=block_v, cta_cols=cta_cols,
+                                 interpret=interpret)
     _no_race(interpret)
-    want = _replay(prep, init, vstart, vend, ck_slot, 2, _bf16)
-    f32 = _replay(prep, init, vstart, vend, ck_slot, 2, lambda x: x)
+    assert got[0].dtype == out_dtype
+    outputs = lambda o, final, ckpt: (_bf16(o) if out_dtype == jnp.bfloat16 else o, final, ckpt)
+    want = outputs(*_replay(prep, init, vstart, vend, ck_slot, 2, _bf16))
+    f32 = outputs(*_replay(prep, init, vstart, vend, ck_slot, 2, lambda x: x))
     for x, w, w32 in zip(got, want, f32):
         assert rel_rms(x, w) <= 2e-4 < rel_rms(x, w32)
     np.testing.assert_array_equal(np.asarray(got[1][1]), np.asarray(init[1]))  # no chunks: the start
@@ -153,11 +160,13 @@ def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
 
 
 def test_chunk_kda_with_the_wide_summary(gpu_run, monkeypatch):
-    """The summary pass at 128 columns per CTA inside ``chunk_kda`` (K = V = 128, 3 segments, GVA,
-    initial states, checkpoints), chosen by the planner when its CTAs take fewer waves (one SM
-    here makes every CTA a wave); against the references within bf16 tolerance."""
+    """The summary pass and the recurrence at 128 columns per CTA inside ``chunk_kda`` (K = V =
+    128, 3 segments, GVA, initial states, checkpoints), chosen by the planner when their CTAs take
+    fewer waves (one SM here makes every CTA a wave); against the references within bf16
+    tolerance."""
     monkeypatch.setattr(prefill, "gpu_core_count", lambda: 1)
     assert prefill.summary_cta_cols(1, 2, 128, 128, 3) == 128
+    assert prefill.recurrence_cta_cols(1, 2, 128, 3, prefill_mgpu.recurrence_widths(128, 128, 64, jnp.bfloat16)) == 128
     x = kda_inputs(6, 1, 320, 1, 2, 128, 128, lower_bound=-5.0, dtype=jnp.bfloat16)
     x = (*x[:3], 0.02 * x[3], x[4])  # slow decay: what enters each segment matters at its end
     cu, h0 = jnp.array([0, 320], jnp.int32), random_state(6, (1, 2, 128, 128))
@@ -288,7 +297,8 @@ def test_bad_arguments_are_rejected():
         prefill_mgpu.scan_call(f32_prep, None, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
                                jnp.zeros(NC, jnp.int32), n_ck_slots=1)
     bounds = (jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.zeros((1, 3), jnp.int32))
-    for kw in (dict(summary=True), dict(summary=True, K=128, block_v=32), dict(K=128), dict(cta_cols=256, K=128)):
+    for kw in (dict(summary=True), dict(summary=True, K=128, block_v=32), dict(K=128, out_dtype=jnp.float32),
+               dict(K=128, block_v=32, out_dtype=jnp.bfloat16), dict(cta_cols=256, K=128)):
         K_ = kw.pop("K", K)
-        with pytest.raises(ValueError, match="cta_cols is 64"):
+        with pytest.raises(ValueError, match="cta_cols is one of"):
             prefill_mgpu.scan_call(_prep(2, K_), None, *bounds, n_ck_slots=1, **{"cta_cols": 128, **kw})

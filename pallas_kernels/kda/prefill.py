@@ -68,11 +68,13 @@ def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, nu
 
 # A summary-pass chunk against a recurrence chunk on the H200 (no outputs: two products of four),
 # by columns per CTA. 64 (one warpgroup): 0.80 at H = 12, T = 131072, P = 4 (580 against 728 us
-# over 512 chunks), 0.74 at H = 32, P = 2. 128 (two warpgroups of 64 sharing W and kd^T, half the
+# over 512 chunks), 0.74 at H = 32, P = 2 (0.72 at T = 32768 and 0.68 at T = 131072 on 2026-12-03):
+# 0.75 between them, which keeps P = 2 at H = 32 against P = 4 with the recurrence at 128 columns
+# (0.4% faster at T = 131072). 128 (two warpgroups of 64 sharing W and kd^T, half the
 # CTAs): 0.98 at H = 12, P = 5 (581 against 590 us) and at H = 4, P = 16 (193 against 197). 256
 # (four warpgroups: all K + V columns of a map in one CTA): 1.58 at H = 12, P = 11 (447 us for its
 # one wave against 567 for the recurrence's two, 2026-12-03).
-_SUMMARY_STEP = {64: 0.8, 128: 1.0, 256: 1.6}
+_SUMMARY_STEP = {64: 0.75, 128: 1.0, 256: 1.6}
 # The recurrence's chunk by columns per CTA, against one warpgroup of 64. On the H200 (2026-12-03)
 # a chunk of 128 columns (two warpgroups) took 1.3-1.45x one of 64 in waves of 32-96 CTAs, and
 # 1.8-1.9x in waves of 120-132, where both widths move about 4.1 TB/s (HBM-bound): fewer CTAs

@@ -6,7 +6,8 @@ Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (
 importable; ``--no-fla`` times ours only). ``--segments 4,5`` and ``--block-v 32,64`` time each
 segment count and Mosaic GPU ``block_v`` (default: the planner's and the kernel's defaults);
 ``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 kernel A, and ``--mgpu-a 32:3:1,16:3:3``
-each layout of the Mosaic GPU one (K columns per part, input buffers, warpgroups per CTA).
+each layout of the Mosaic GPU one (K columns per part, input buffers, warpgroups per CTA),
+``--wu-kernel triton,mosaic_gpu`` each stage 1 kernel C.
 Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
 per call. Writes ``$OUT/kernel_profile.json``.
 """
@@ -51,6 +52,7 @@ def main():
     ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
     ap.add_argument("--prep-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; "
                     "mosaic_gpu needs --k3-gates)")
+    ap.add_argument("--wu-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel C)")
     ap.add_argument("--mgpu-a", default="",
                     help="comma list of PART:SLOTS:WGS, the Mosaic GPU kernel A's layout "
                          "(pallas_kernels.kda.prep_mgpu; default: its own), one run each with --prep-kernel mosaic_gpu")
@@ -60,8 +62,9 @@ def main():
     bound = -5.0 if a.k3_gates else None
     options = lambda text: [int(x) for x in text.split(",")] if text else [None]
     layouts = [tuple(map(int, c.split(":"))) for c in a.mgpu_a.split(",")] if a.mgpu_a else [None]
-    variants = [(P, bv, pk, lay) for P in options(a.segments) for bv in options(a.block_v)
-                for pk in a.prep_kernel.split(",") for lay in (layouts if pk == "mosaic_gpu" else [None])]
+    variants = [(P, bv, pk, lay, wk) for P in options(a.segments) for bv in options(a.block_v)
+                for pk in a.prep_kernel.split(",") for lay in (layouts if pk == "mosaic_gpu" else [None])
+                for wk in a.wu_kernel.split(",")]
     own_layout = (prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS)
     us = lambda table: {k: v * 1e6 for k, v in table.items()}
     for shape in a.shapes.split(";"):
@@ -72,15 +75,16 @@ def main():
             for name, t in sorted(table.items(), key=lambda kv: -kv[1]):
                 print(f"  {t * 1e6:9.1f} us  {name[:90]}", flush=True)
 
-        for P, bv, pk, lay in variants:
+        for P, bv, pk, lay, wk in variants:
             # Read when the kernel is traced: each variant is a new jit function.
             prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS = lay or own_layout
             fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
-                                           recurrence=bv and "mosaic_gpu", prep_kernel=pk))
+                                           recurrence=bv and "mosaic_gpu", prep_kernel=pk, wu_kernel=wk))
             ours = kernel_seconds(lambda: fn(*xs), STEPS)
-            show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}{'' if lay is None else lay}", ours)
+            show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}{'' if lay is None else lay} "
+                 f"kernel C={wk}", ours)
             rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "segments": P, "block_v": bv,
-                         "prep_kernel": pk, "mgpu_a": lay, "ours_us": us(ours)})
+                         "prep_kernel": pk, "mgpu_a": lay, "wu_kernel": wk, "ours_us": us(ours)})
         if not a.no_fla:
             theirs = fla_kernel_seconds(xs)
             show("fla", theirs)

@@ -372,7 +372,7 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
                   compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None,
-                  diagonal_compiler_params=None, interpret=False, rows_call=None):
+                  diagonal_compiler_params=None, interpret=False, rows_call=None, wu_call=None):
     """GPU stage 1 as kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk and N's rows (strictly lower, beta Akk);
@@ -392,7 +392,9 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     ``compiler_params`` the other kernels' (kernel C's slice loops in 2 stages took 1158 us at
     B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
     1529), ``diagonal_compiler_params`` the diagonal inverses'. ``rows_call``: another kernel A,
-    ``rows_call(q, k, G, beta) -> (qg, Aqk, N)``, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`.
+    ``rows_call(q, k, G, beta) -> (qg, Aqk, N)``, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`;
+    ``wu_call``: another kernel C, ``wu_call(k, v, G, beta, X) -> (kd^T, W, U, decay)``, e.g.
+    :func:`pallas_kernels.kda.wu_mgpu.wu_call`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
@@ -424,6 +426,9 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         compiler_params=inverse_compiler_params,
         interpret=interpret,
     )(N, Xd)
+    if wu_call is not None:
+        kdT, W, U, decay = wu_call(k, v, G, beta, X)
+        return qg, kdT, W, U, aqk, decay
     per_chunk = lambda width: pl.BlockSpec((None, None, K, width), lambda c, h: (h, c, 0, 0))
     kdT, W, U, decay = pl.pallas_call(
         partial(_wu_body, precision=precision),

@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
 from k3jax.ops.segments import apply_segment, combine_segments, prefix_starts
-from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu, prep_mgpu
+from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu, prep_mgpu, wu_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
 _F32 = jnp.float32
@@ -184,17 +184,20 @@ def default_precision(precision, dtype, *, scan=False):
 
 
 def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=_F32, bounded=False,
-             interpret=False, kernel="triton"):
+             interpret=False, kernel="triton", wu_kernel="triton"):
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
     ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting.
-    ``kernel="mosaic_gpu"``: kernel A in Mosaic GPU (:mod:`pallas_kernels.kda.prep_mgpu`)."""
+    ``kernel="mosaic_gpu"``: kernel A in Mosaic GPU (:mod:`pallas_kernels.kda.prep_mgpu`);
+    ``wu_kernel="mosaic_gpu"``: kernel C (:mod:`pallas_kernels.kda.wu_mgpu`)."""
     hi = jax.lax.Precision.HIGHEST
     params = lambda warps, stages: None if interpret else prefill_gpu.params(warps, stages)
-    rows = None
+    rows = wu = None
     if kernel == "mosaic_gpu":
         rows = partial(prep_mgpu.rows_call, scale=scale, store_dtype=store_dtype, interpret=bool(interpret))
+    if wu_kernel == "mosaic_gpu":
+        wu = partial(wu_mgpu.wu_call, store_dtype=store_dtype, interpret=bool(interpret))
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
-                         bounded=bounded, rows_call=rows,
+                         bounded=bounded, rows_call=rows, wu_call=wu,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=params(num_warps, 2), rows_compiler_params=params(1, 2),
                          inverse_compiler_params=params(1, 1), diagonal_compiler_params=params(2, 1))
@@ -236,7 +239,7 @@ def chunk_kda(
     backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
     intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, recurrence: str | None = None,
-    prep_kernel: str | None = None,
+    prep_kernel: str | None = None, wu_kernel: str = "triton",
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -290,6 +293,10 @@ def chunk_kda(
         H200 it took 1.42 ms against the Triton kernel A's 2.10 at B1 T131k H12 (the whole call
         4.94 against 5.25 ms when it took 1.49); on an H100 the whole call was 8-10% faster at
         H = 4, 12 and 32.
+      wu_kernel: GPU: stage 1's kernel C (W, U, kd^T, decay), "triton" (the default) or
+        "mosaic_gpu" (:mod:`pallas_kernels.kda.wu_mgpu`: TF32 WGMMA products; needs chunk 64, K and
+        V multiples of 32 and 16-bit inputs). The Mosaic GPU one is tested (interpreter, compiled
+        in ``-m gpu``) but not timed yet, so Triton stays the default.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).
@@ -332,6 +339,11 @@ def chunk_kda(
         raise ValueError("the Mosaic GPU kernel A runs on the GPU backend with gate_lower_bound set, chunk_size 64, "
                          f"K in (64, 128) and 16-bit inputs; got backend {kind}, gate_lower_bound "
                          f"{gate_lower_bound}, chunk_size {chunk_size}, K={K}, {q.dtype}")
+    if wu_kernel not in ("triton", "mosaic_gpu"):
+        raise ValueError(f"wu_kernel must be 'triton' or 'mosaic_gpu', got {wu_kernel!r}")
+    if wu_kernel == "mosaic_gpu" and not (kind == "gpu" and wu_mgpu.supported(K, V, chunk_size, q.dtype)):
+        raise ValueError("the Mosaic GPU kernel C runs on the GPU backend with chunk_size 64, K and V multiples of "
+                         f"32 and 16-bit inputs; got backend {kind}, chunk_size {chunk_size}, K={K}, V={V}, {q.dtype}")
     if recurrence == "mosaic_gpu" and block_v is not None:
         prefill_mgpu.check_block_v(block_v)  # before stage 1 runs
     if num_segments is not None and num_segments < 1:
@@ -364,7 +376,7 @@ def chunk_kda(
     if kind == "gpu":
         prep = gpu_prep(q, k, v, g, beta, C=C, scale=scale, precision=default_precision(prep_precision, out_dtype),
                         num_warps=prep_num_warps, store_dtype=store, bounded=gate_lower_bound is not None,
-                        interpret=interpret, kernel=prep_kernel)
+                        interpret=interpret, kernel=prep_kernel, wu_kernel=wu_kernel)
         widths = (64,)
         if recurrence == "mosaic_gpu":
             # State columns per warpgroup, the same in the summary pass.

@@ -20,7 +20,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_i
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.ops import kda as ref
-from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu, prep_mgpu
+from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu, prep_mgpu, wu_mgpu
 from pallas_kernels.kda._chunk import SUB
 from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
 from tests.pallas_kernels.test_kda_prefill import H200, _export
@@ -243,6 +243,33 @@ def test_kernel_a_matches_exact_products(part, wgs, interpret, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a)[:, :t0], np.asarray(b)[:, :t0])
 
 
+def test_kernel_c_matches_exact_products(interpret):
+    """The Mosaic GPU kernel C at the gate bound (spans up to 320 nats per chunk), GVA, K = 128 and
+    V = 64 (four and two parts), a random lower-triangular X per chunk: W, U, kd^T and decay
+    against float64 (interpreter: float32 products; compiled: TF32), with no race."""
+    TT, H, HV_, K_, V_ = 2 * C, 1, 2, 128, 64
+    _, k, v, g, beta = (x[0] for x in kda_inputs(10, 1, TT, H, HV_, K_, V_, lower_bound=-5.0, dtype=jnp.bfloat16,
+                                                 gate_scale=4.0))
+    beta = beta[..., None].astype(jnp.float32)
+    G = jnp.cumsum(g.reshape(2, C, HV_, K_), axis=1).reshape(TT, HV_, K_)
+    X = jnp.tril(jax.random.normal(jax.random.key(3), (HV_, 2, C, C))).reshape(HV_, TT, C)
+    kdT, W, U, decay = wu_mgpu.wu_call(k, v, G, beta, X, store_dtype=jnp.float32, interpret=interpret)
+    _no_race(interpret)
+    f64 = lambda x: np.asarray(x, np.float64)
+    kk, vv, GG, bb, XX = f64(k)[:, [0, 0]], f64(v), f64(G), f64(beta), f64(X)
+    tol = 1e-5 if interpret else 2e-3  # TF32 products on the GPU
+    for h in range(HV_):
+        for c in range(2):
+            r = slice(c * C, (c + 1) * C)
+            last = GG[r, h][-1]
+            want = ((W[h, r], XX[h, r] @ (bb[r, h] * kk[r, h] * np.exp(GG[r, h]))),
+                    (U[h, r], XX[h, r] @ (bb[r, h] * vv[r, h])),
+                    (kdT[h, c], (kk[r, h] * np.exp(last - GG[r, h])).T),
+                    (decay[h, c, :, 0], np.exp(last)))
+            for got, w in want:
+                assert rel_rms(got, w) < tol
+
+
 @pytest.mark.parametrize("recurrence", ["mosaic_gpu", pytest.param("triton", marks=pytest.mark.slow)])
 def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
     """``chunk_kda(prep_kernel="mosaic_gpu")`` at the gate bound: varlen (a sequence that is not a
@@ -251,6 +278,23 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
     x = kda_inputs(5, 1, 228, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16, gate_scale=4.0)
     _chunk_kda_matches_the_references(jnp.array([0, 100, 228], jnp.int32), x, random_state(5, (2, 2, 64, 64)),
                                       gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence, **gpu_run)
+
+
+def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
+    """``chunk_kda(wu_kernel="mosaic_gpu")`` beside the Mosaic GPU kernel A, at the gate bound:
+    varlen, GVA, initial states, 64-token checkpoints, 2 segments; against the references within
+    bf16 tolerance. It lowers for the H200 at a serving shape (K = V = 128), and is refused where
+    it does not apply."""
+    x = kda_inputs(8, 1, 228, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16, gate_scale=4.0)
+    _chunk_kda_matches_the_references(jnp.array([0, 100, 228], jnp.int32), x, random_state(8, (2, 2, 64, 64)),
+                                      gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", wu_kernel="mosaic_gpu",
+                                      **gpu_run)
+    module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, wu_kernel="mosaic_gpu")
+    assert module.count("mosaic_gpu_v2") == 4 and module.count("xla.gpu.triton") == 3
+    with pytest.raises(ValueError, match="wu_kernel must be"):
+        prefill.chunk_kda(*x, backend="gpu", wu_kernel="mosaic")
+    with pytest.raises(ValueError, match="kernel C runs on the GPU backend"):
+        prefill.chunk_kda(*(a.astype(jnp.float32) for a in x), backend="gpu", wu_kernel="mosaic_gpu")
 
 
 def test_the_mosaic_recurrence_lowers_for_the_h200():

@@ -1,0 +1,150 @@
+"""Kernel C of the GPU token-parallel stage in Mosaic GPU (``plgpu.kernel``): :func:`wu_call`, the
+contract of :func:`pallas_kernels.kda._chunk.gpu_prep_call`'s Triton kernel C (W, U, kd^T and decay
+of every chunk from its inverse X). Not timed yet.
+
+One warpgroup per item (chunk, value head), items with the heads fastest. TMA brings the chunk's
+inverse X (float32) and beta once, and k with the gate cumsum G, then v, in 32-column parts (the
+next part's copies in flight while one is computed). Per part the right operand of the product
+with X, ``beta k exp(G)`` or ``beta v``, goes to shared memory transposed (a register relayout to
+the transposed WGMMA layout and a store through the transposed view), so the TF32 WGMMA
+``X [C, C] x B [C, 32]`` reads both operands along the contraction (TF32 WGMMA takes no other
+order); kd^T goes out the same way, W and U as row tiles, all by TMA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda._chunk import _exp
+from pallas_kernels.kda.prefill_mgpu import _swizzled
+
+_F32 = jnp.float32
+C = 64
+PART = 32  # columns per part: one 128-byte row of float32
+SLOTS = 2
+
+
+def supported(K, V, chunk_size, dtype) -> bool:
+    """Whether :func:`wu_call` takes these: chunk 64, K and V multiples of 32 (whole parts), 16-bit
+    inputs (TF32 products are the Triton path's precision for those only)."""
+    return chunk_size == C and K % PART == 0 and V % PART == 0 and jnp.dtype(dtype).itemsize == 2
+
+
+def _pipeline(n, issue, step, primed=False):
+    """Parts ``0 .. n - 1`` in ``SLOTS`` buffers: part ``x + SLOTS - 1``'s copies are issued before
+    part ``x``'s work; ``primed``: the first ``SLOTS - 1`` were issued already."""
+    if not primed:
+        for x in range(min(SLOTS - 1, n)):
+            issue(x, x)
+
+    @pl.loop(0, n)
+    def _(x):
+        nxt = x + SLOTS - 1
+        pl.when(nxt < n)(lambda: issue(nxt, lax.rem(nxt, SLOTS)))
+        step(x, lax.rem(x, SLOTS))
+
+
+def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_ref, *, rep):
+    HV = G_ref.shape[1]
+    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    w = lax.axis_index("i")
+    c, h = lax.div(w, HV), lax.rem(w, HV)
+    rows = pl.ds(pl.multiple_of(c * C, C), C)
+    lay = plgpu.Layout.WGMMA
+    pin = lambda x: plgpu.layout_cast(x, lay)
+    # A part index is a Python int (the first copies) or a loop's traced index.
+    cols = lambda x: pl.ds(x * PART if isinstance(x, int) else pl.multiple_of(x * PART, PART), PART)
+    st = w_ref.dtype
+    swz = lambda shape, dtype, width: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype, width))
+    plain = lambda shape, dtype: plgpu.SMEM(shape, dtype)
+
+    def body(x_s, b_s, kin_s, G_s, gl_s, vin_s, bT_s, kd_s, out_s, dec_s, start, ready_k, ready_v):
+        plgpu.copy_gmem_to_smem(x_ref.at[h, rows], x_s, start)
+        plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, start)
+
+        def issue_k(x, slot):
+            bar = ready_k.at[slot]
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, h // rep, cols(x)], kin_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(G_ref.at[rows, h, cols(x)], G_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(G_ref.at[c * C + C - 1, h, cols(x)], gl_s.at[slot], bar)
+
+        def issue_v(x, slot):
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols(x)], vin_s.at[slot], ready_v.at[slot])
+
+        plgpu.barrier_wait(start)
+        beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, PART), [0]))
+
+        def product(b):
+            """``X b`` (``b [C, PART]`` float32) into the part's output tile as ``st``; returns the tile."""
+            bT_s.T[...] = plgpu.layout_cast(b, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+
+            def run(acc):
+                plgpu.wgmma(acc, x_s, bT_s.T)
+                return acc[...]
+
+            out = pl.run_scoped(run, plgpu.ACC((C, PART), _F32))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last part's tiles have left
+            out_s[...] = pin(out).astype(st)
+            return out_s
+
+        def k_step(x, slot):
+            plgpu.barrier_wait(ready_k.at[slot])
+            G = plgpu.load(G_s.at[slot], layout=lay)
+            k = pin(plgpu.load(kin_s.at[slot], layout=lay).astype(_F32))
+            gl = plgpu.load(gl_s.at[slot], layout=lay.reduce(0))
+            kd = pin(k * _exp(pin(lax.broadcast_in_dim(gl, (C, PART), [1])) - G))
+            tile = product(pin(beta * k * _exp(G)))
+            kd_s.T[...] = plgpu.layout_cast(kd.astype(st), plgpu.Layout.WGMMA_TRANSPOSED)
+            dec_s[...] = _exp(gl)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile, w_ref.at[h, rows, cols(x)])
+            plgpu.copy_smem_to_gmem(kd_s, kdT_ref.at[h, c, cols(x)])
+            plgpu.copy_smem_to_gmem(dec_s, decay_ref.at[h, c, cols(x)])
+
+        def v_step(x, slot):
+            plgpu.barrier_wait(ready_v.at[slot])
+            v = pin(plgpu.load(vin_s.at[slot], layout=lay).astype(_F32))
+            tile = product(pin(beta * v))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile, u_ref.at[h, rows, cols(x)])
+
+        for x in range(min(SLOTS - 1, V // PART)):  # v's first parts in flight during k's
+            issue_v(x, x)
+        _pipeline(K // PART, issue_k, k_step)
+        _pipeline(V // PART, issue_v, v_step, primed=True)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(body, swz((C, C), _F32, PART), plain((C,), _F32),
+                  swz((SLOTS, C, PART), k_ref.dtype, PART), swz((SLOTS, C, PART), _F32, PART),
+                  plain((SLOTS, PART), _F32), swz((SLOTS, C, PART), v_ref.dtype, PART),
+                  swz((PART, C), _F32, PART), plain((PART, C), st), swz((C, PART), st, PART), plain((PART,), _F32),
+                  plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=3, num_barriers=SLOTS),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS))
+
+
+def wu_call(k, v, G, beta, X, *, store_dtype, interpret=False):
+    """Token-major ``k [TT, H, K]``, ``v [TT, HV, V]`` (16-bit), ``G [TT, HV, K]`` float32,
+    ``beta [TT, HV, 1]``, ``X [HV, TT, C]`` float32 (every chunk's inverse). Returns
+    ``kd^T [HV, NC, K, C]``, ``W [HV, TT, K]``, ``U [HV, TT, V]`` in ``store_dtype`` and
+    ``decay [HV, NC, K, 1]`` float32, as the Triton kernel C."""
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    TT, H, K = k.shape
+    HV, V = v.shape[1], v.shape[-1]
+    if not supported(K, V, C, k.dtype) or TT % C:
+        raise ValueError(f"the Mosaic GPU kernel C takes chunk {C}, K and V multiples of {PART} and 16-bit k, v; "
+                         f"got K={K}, V={V}, {k.dtype}, {TT} tokens")
+    NC = TT // C
+    st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
+    out = (st(HV, NC, K, C), st(HV, TT, K), st(HV, TT, V), jax.ShapeDtypeStruct((HV, NC, K), _F32))
+    kernel = plgpu.kernel(functools.partial(_kernel, rep=HV // H), out_type=out, grid=(NC * HV,), grid_names=("i",),
+                          interpret=interpret)
+    kdT, W, U, decay = kernel(k, v, G, jnp.moveaxis(beta[..., 0], 1, 0).astype(_F32), X)
+    return kdT, W, U, decay[..., None]

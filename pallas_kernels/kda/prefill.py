@@ -295,8 +295,9 @@ def chunk_kda(
         H = 4, 12 and 32.
       wu_kernel: GPU: stage 1's kernel C (W, U, kd^T, decay), "triton" (the default) or
         "mosaic_gpu" (:mod:`pallas_kernels.kda.wu_mgpu`: TF32 WGMMA products; needs chunk 64, K and
-        V multiples of 32 and 16-bit inputs). The Mosaic GPU one is tested (interpreter, compiled
-        in ``-m gpu``) but not timed yet, so Triton stays the default.
+        V multiples of 32 and 16-bit inputs). The Mosaic GPU one is tested in the Mosaic GPU
+        interpreter and lowers for the H200, but has not run compiled on a GPU or been timed yet
+        (its ``-m gpu`` tests exist), so Triton stays the default.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).

@@ -87,6 +87,28 @@ def _swizzled(dtype, width):
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _part(x, width):
+    """Columns ``[x width, (x + 1) width)``: ``x`` a Python int (a first copy) or a loop's traced index
+    (a multiple of ``width`` for the layout inference of the TMA copies)."""
+    return pl.ds(x * width if isinstance(x, int) else pl.multiple_of(x * width, width), width)
+
+
+def _pipelined(n, slots, issue, step, primed=False):
+    """Parts ``0 .. n - 1`` through ``slots`` input buffers: ``issue(x, slot)`` copies part ``x`` in,
+    ``step(x, slot)`` works on it. Part ``x + slots - 1``'s copies are issued before part ``x``'s
+    work (the slot they fill was last read by part ``x - 1``); ``primed``: the first ``slots - 1``
+    were issued already."""
+    if not primed:
+        for x in range(min(slots - 1, n)):
+            issue(x, x)
+
+    @pl.loop(0, n)
+    def _(x):
+        nxt = x + slots - 1
+        pl.when(nxt < n)(lambda: issue(nxt, lax.rem(nxt, slots)))
+        step(x, lax.rem(x, slots))
+
+
 def _products(w, kdT, u, s_smem, vn_smem, qa, ws_acc, kv_acc, o_acc):
     """One chunk's products on the tensor cores: ``W S`` and ``qg S`` (both need only the state),
     ``V_new = U - W S`` to shared memory, then ``kd^T V_new`` and ``Aqk V_new``. Each wait leaves
@@ -289,8 +311,8 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
 
         return S
 
-    def finish(st_all, S):
-        store_state(st_all, S, final_ref.at[s, h, :, mine])
+    def finish(st_all, S, sync=lambda: None):
+        store_state(st_all, S, final_ref.at[s, h, :, mine], sync)
         plgpu.wait_smem_to_gmem(0)
 
     if summary:
@@ -324,8 +346,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
             S = load_state(st_all, st_ready, init_ref.at[s, h, :, mine])
             sync()
             S = run(S, tiles, bufs, u_bufs, ready, consumed, checkpoint=checkpoint)
-            store_state(st_all, S, final_ref.at[s, h, :, mine], sync)
-            plgpu.wait_smem_to_gmem(0)
+            finish(st_all, S, sync)
 
         pl.run_scoped(whole, *scratch.values(), collective_axes="wg")
 

@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda._chunk import _LOG2_E, SUB, _exp
-from pallas_kernels.kda.prefill_mgpu import _swizzled
+from pallas_kernels.kda.prefill_mgpu import _part, _pipelined, _swizzled
 
 _F32 = jnp.float32
 C = 64  # chunk rows: one WGMMA row block
@@ -96,9 +96,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     # Every tile in the WGMMA layout: the layout inference then has one choice per value.
     pin = lambda x: plgpu.layout_cast(x, lay)
     iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=lay)
-    # A part index is a Python int (the first copies) or the loop's traced index.
-    part = lambda x: pl.ds(x * PART if isinstance(x, int) else pl.multiple_of(x * PART, PART), PART)
-    slot_of = lambda x: x % SLOTS if isinstance(x, int) else lax.rem(x, SLOTS)
+    part = lambda x: _part(x, PART)
     # Every warpgroup's own buffers along a leading axis (:func:`mine` takes its part).
     smem = lambda shape, dtype, width=None: plgpu.SMEM((WGS, *shape), dtype,
                                                        transforms=_swizzled(dtype, width) if width else ())
@@ -116,8 +114,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
 
         anchor_row = lambda slot, i: a_s.at[slot, i, pl.ds(0, PART)]
 
-        def issue(x):
-            slot, cols = slot_of(x), part(x)
+        def issue(x, slot):
+            cols = part(x)
             bar = barrier_at(ready, slot)
             for src, dst in ((q_ref.at[rows, h // rep, cols], q_s), (k_ref.at[rows, h // rep, cols], k_s),
                              (G_ref.at[rows, h, cols], G_s)):
@@ -125,17 +123,10 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             for i in range(NS):  # the anchors: each sub-chunk's first row of G
                 plgpu.copy_gmem_to_smem(G_ref.at[c * C + i * SUB, h, cols], anchor_row(slot, i), bar)
 
-        for x in range(min(SLOTS - 1, nparts)):
-            issue(x)
         sub = pin(lax.div(iota((C, PART), 0), SUB))
         spread = lambda v: pin(lax.broadcast_in_dim(v, (C, PART), [1]))  # a row vector down the rows
 
-        # The parts as a loop, not unrolled: 14% faster on the H200 (240 registers against 255 then).
-        @pl.loop(0, nparts)
-        def part_step(x):
-            slot = slot_of(x)
-            refill = x + SLOTS - 1  # the slot it fills was last read by part x - 1 (fenced since)
-            pl.when(refill < nparts)(lambda: issue(refill))
+        def part_step(x, slot):
             plgpu.barrier_wait(barrier_at(ready, slot))
             G = plgpu.load(G_s.at[slot], layout=lay)
             avec = [plgpu.load(anchor_row(slot, i), layout=lay.reduce(0)) for i in range(NS)]
@@ -173,6 +164,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                 plgpu.wgmma(accs[NS + i], kc_s.at[i % 2], rk_s.at[block].T)
             plgpu.wgmma_wait(0)  # before rq_s, rk_s and kc_s are rewritten
 
+        # The parts as a loop, not unrolled: 14% faster on the H200 (240 registers against 255 then).
+        _pipelined(nparts, SLOTS, issue, part_step)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # qg_s is freed with this scope
         return [a[...] for a in accs]
 

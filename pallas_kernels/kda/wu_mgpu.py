@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda._chunk import _exp
-from pallas_kernels.kda.prefill_mgpu import _swizzled
+from pallas_kernels.kda.prefill_mgpu import _part, _pipelined, _swizzled
 
 _F32 = jnp.float32
 C = 64
@@ -36,20 +36,6 @@ def supported(K, V, chunk_size, dtype) -> bool:
     return chunk_size == C and K % PART == 0 and V % PART == 0 and jnp.dtype(dtype).itemsize == 2
 
 
-def _pipeline(n, issue, step, primed=False):
-    """Parts ``0 .. n - 1`` in ``SLOTS`` buffers: part ``x + SLOTS - 1``'s copies are issued before
-    part ``x``'s work; ``primed``: the first ``SLOTS - 1`` were issued already."""
-    if not primed:
-        for x in range(min(SLOTS - 1, n)):
-            issue(x, x)
-
-    @pl.loop(0, n)
-    def _(x):
-        nxt = x + SLOTS - 1
-        pl.when(nxt < n)(lambda: issue(nxt, lax.rem(nxt, SLOTS)))
-        step(x, lax.rem(x, SLOTS))
-
-
 def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_ref, *, rep):
     HV = G_ref.shape[1]
     K, V = k_ref.shape[-1], v_ref.shape[-1]
@@ -58,8 +44,7 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
     rows = pl.ds(pl.multiple_of(c * C, C), C)
     lay = plgpu.Layout.WGMMA
     pin = lambda x: plgpu.layout_cast(x, lay)
-    # A part index is a Python int (the first copies) or a loop's traced index.
-    cols = lambda x: pl.ds(x * PART if isinstance(x, int) else pl.multiple_of(x * PART, PART), PART)
+    cols = lambda x: _part(x, PART)
     st = w_ref.dtype
     swz = lambda shape, dtype, width: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype, width))
     plain = lambda shape, dtype: plgpu.SMEM(shape, dtype)
@@ -117,8 +102,8 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
 
         for x in range(min(SLOTS - 1, V // PART)):  # v's first parts in flight during k's
             issue_v(x, x)
-        _pipeline(K // PART, issue_k, k_step)
-        _pipeline(V // PART, issue_v, v_step, primed=True)
+        _pipelined(K // PART, SLOTS, issue_k, k_step)
+        _pipelined(V // PART, SLOTS, issue_v, v_step, primed=True)
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(body, swz((C, C), _F32, PART), plain((C,), _F32),

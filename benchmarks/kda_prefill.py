@@ -29,7 +29,7 @@ from benchmarks.common import (device_seconds, kda_prefill_hw, rel_rms, time_bac
 from benchmarks.kda_reference import inputs
 from benchmarks.kernel_profile import fla_kernel_seconds
 from k3jax.ops.kda import naive_recurrent_kda
-from pallas_kernels.kda import prefill, prep_mgpu
+from pallas_kernels.kda import prefill, prep_mgpu, wu_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION
 
 SHAPES = [(1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32), (1, 131072, 4), (1, 131072, 12)]
@@ -46,11 +46,14 @@ INTERMEDIATES = {"auto": None, "f32": jnp.float32, "bf16": jnp.bfloat16}  # auto
 
 
 def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype, bounded, kernel="triton"):
+    """Stage 1 as :func:`prefill.chunk_kda` runs it, with ``kernel`` as kernel A."""
     f = lambda x: x.reshape(-1, *x.shape[2:])
+    K, V = k.shape[-1], v.shape[-1]
+    wu_kernel = "mosaic_gpu" if wu_mgpu.supported(K, V, 64, k.dtype, v.dtype) else "triton"
     return prefill.gpu_prep(f(q), f(k), f(v), f(g), f(beta)[..., None], C=64, scale=q.shape[-1] ** -0.5,
                             precision=prefill.default_precision(prep_precision, v.dtype), num_warps=num_warps,
                             store_dtype=store_dtype or prefill.default_intermediates(v.dtype), bounded=bounded,
-                            kernel=kernel)
+                            kernel=kernel, wu_kernel=wu_kernel)
 
 
 def main():

@@ -52,7 +52,8 @@ def main():
     ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
     ap.add_argument("--prep-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; "
                     "mosaic_gpu needs --k3-gates)")
-    ap.add_argument("--wu-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel C)")
+    ap.add_argument("--wu-kernel", default="auto",
+                    help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (stage 1's kernel C)")
     ap.add_argument("--mgpu-a", default="",
                     help="comma list of PART:SLOTS:WGS, the Mosaic GPU kernel A's layout "
                          "(pallas_kernels.kda.prep_mgpu; default: its own), one run each with --prep-kernel mosaic_gpu")
@@ -79,7 +80,7 @@ def main():
             # Read when the kernel is traced: each variant is a new jit function.
             prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS = lay or own_layout
             fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
-                                           recurrence=bv and "mosaic_gpu", prep_kernel=pk, wu_kernel=wk))
+                                           recurrence=bv and "mosaic_gpu", prep_kernel=pk, wu_kernel=None if wk == "auto" else wk))
             ours = kernel_seconds(lambda: fn(*xs), STEPS)
             show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}{'' if lay is None else lay} "
                  f"kernel C={wk}", ours)

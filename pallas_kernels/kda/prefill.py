@@ -239,7 +239,7 @@ def chunk_kda(
     backend: str | None = None, interpret=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 3,
     prep_num_warps: int = 4, scan_precision=None, prep_precision=None, initial_state_fn=None,
     intermediate_dtype=None, gate_lower_bound=None, summary_block_v: int = 64, recurrence: str | None = None,
-    prep_kernel: str | None = None, wu_kernel: str = "triton",
+    prep_kernel: str | None = None, wu_kernel: str | None = None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
 
@@ -340,11 +340,15 @@ def chunk_kda(
         raise ValueError("the Mosaic GPU kernel A runs on the GPU backend with gate_lower_bound set, chunk_size 64, "
                          f"K in (64, 128) and 16-bit inputs; got backend {kind}, gate_lower_bound "
                          f"{gate_lower_bound}, chunk_size {chunk_size}, K={K}, {q.dtype}")
+    mosaic_c_ok = kind == "gpu" and wu_mgpu.supported(K, V, chunk_size, k.dtype, v.dtype)
+    if wu_kernel is None:
+        wu_kernel = "mosaic_gpu" if mosaic_c_ok else "triton"
     if wu_kernel not in ("triton", "mosaic_gpu"):
         raise ValueError(f"wu_kernel must be 'triton' or 'mosaic_gpu', got {wu_kernel!r}")
-    if wu_kernel == "mosaic_gpu" and not (kind == "gpu" and wu_mgpu.supported(K, V, chunk_size, q.dtype)):
+    if wu_kernel == "mosaic_gpu" and not mosaic_c_ok:
         raise ValueError("the Mosaic GPU kernel C runs on the GPU backend with chunk_size 64, K and V multiples of "
-                         f"32 and 16-bit inputs; got backend {kind}, chunk_size {chunk_size}, K={K}, V={V}, {q.dtype}")
+                         f"32 and k, v of one 16-bit dtype; got backend {kind}, chunk_size {chunk_size}, K={K}, "
+                         f"V={V}, {k.dtype} and {v.dtype}")
     if recurrence == "mosaic_gpu" and block_v is not None:
         prefill_mgpu.check_block_v(block_v)  # before stage 1 runs
     if num_segments is not None and num_segments < 1:

@@ -93,14 +93,16 @@ def _part(x, width):
     return pl.ds(x * width if isinstance(x, int) else pl.multiple_of(x * width, width), width)
 
 
-def _pipelined(n, slots, issue, step, primed=False):
+def _pipelined(n, slots, issue, step, started=None):
     """Parts ``0 .. n - 1`` through ``slots`` input buffers: ``issue(x, slot)`` copies part ``x`` in,
     ``step(x, slot)`` works on it. Part ``x + slots - 1``'s copies are issued before part ``x``'s
-    work (the slot they fill was last read by part ``x - 1``); ``primed``: the first ``slots - 1``
-    were issued already."""
-    if not primed:
-        for x in range(min(slots - 1, n)):
-            issue(x, x)
+    work (the slot they fill was last read by part ``x - 1``). ``started()`` runs once the first
+    parts' copies are issued, before any work: a wait there for inputs every part reads (copied
+    before this call) overlaps the first parts' copies."""
+    for x in range(min(slots - 1, n)):
+        issue(x, x)
+    if started is not None:
+        started()
 
     @pl.loop(0, n)
     def _(x):

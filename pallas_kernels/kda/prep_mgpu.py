@@ -104,11 +104,11 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     barrier_at = lambda bars, slot: bars.at[wg * SLOTS + slot]
     st = qg_ref.dtype
 
-    def products(b_s, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready):
-        return pl.run_scoped(functools.partial(products_into, b_s, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready),
+    def products(b_s, b_bar, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready):
+        return pl.run_scoped(functools.partial(products_into, b_s, b_bar, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready),
                              *[plgpu.ACC((C, SUB), _F32) for _ in range(2 * NS)])
 
-    def products_into(b_s, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready, *accs):
+    def products_into(b_s, b_bar, q_s, k_s, G_s, a_s, rq_s, rk_s, kc_s, qg_s, ready, *accs):
         """Block column ``i`` of ``Aqk^T`` and ``Akk^T`` into ``accs[i]`` and ``accs[NS + i]``, over
         K in parts of ``PART`` columns; qg written part by part."""
 
@@ -165,7 +165,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             plgpu.wgmma_wait(0)  # before rq_s, rk_s and kc_s are rewritten
 
         # The parts as a loop, not unrolled: 14% faster on the H200 (240 registers against 255 then).
-        _pipelined(nparts, SLOTS, issue, part_step)
+        _pipelined(nparts, SLOTS, issue, part_step, lambda: plgpu.barrier_wait(b_bar))  # beta's copy
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # qg_s is freed with this scope
         return [a[...] for a in accs]
 
@@ -182,16 +182,15 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
         plgpu.commit_smem()
         store(aqk_s, aqk_ref.at[h, rows])
         store(n_s, n_ref.at[h, rows])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the writes to global memory finish on their own
 
     def body(b_s, b_bar):
         b_s = b_s.at[wg]
-        plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, b_bar.at[wg])
-        plgpu.barrier_wait(b_bar.at[wg])
+        plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, b_bar.at[wg])  # awaited with the first parts in flight
         # Two scopes in turn share their shared memory (86 KB per warpgroup at K = 128 with bf16
         # outputs): the products, the outputs.
         part_tile = lambda dtype: smem((SLOTS, C, PART), dtype, PART)
-        P = pl.run_scoped(mine(functools.partial(products, b_s)), part_tile(q_ref.dtype), part_tile(k_ref.dtype),
+        P = pl.run_scoped(mine(functools.partial(products, b_s, b_bar.at[wg])), part_tile(q_ref.dtype), part_tile(k_ref.dtype),
                           # The anchors unswizzled (rows loaded as vectors), each row 128-byte aligned for TMA.
                           part_tile(_F32), smem((SLOTS, NS, max(PART, 32)), _F32),
                           smem((C, PART), _F32, PART), smem((C, PART), _F32, PART), smem((2, C, PART), _F32, PART),
@@ -219,5 +218,5 @@ def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):
            jax.ShapeDtypeStruct((HV, TT, C), _F32))
     kernel = plgpu.kernel(functools.partial(_kernel, scale=scale, rep=HV // H), out_type=out,
                           grid=(-(-(TT // C * HV) // WGS),), grid_names=("i",), num_threads=WGS, thread_name="wg",
-                          interpret=interpret)
+                          kernel_name="kda_prep", interpret=interpret)
     return kernel(q, k, G, jnp.moveaxis(beta[..., 0], 1, 0).astype(_F32))

@@ -27,13 +27,15 @@ from pallas_kernels.kda.prefill_mgpu import _part, _pipelined, _swizzled
 _F32 = jnp.float32
 C = 64
 PART = 32  # columns per part: one 128-byte row of float32
-SLOTS = 2
+SLOTS = 3  # input buffers, shared by the k parts then the v parts: two parts' copies in flight
 
 
-def supported(K, V, chunk_size, dtype) -> bool:
-    """Whether :func:`wu_call` takes these: chunk 64, K and V multiples of 32 (whole parts), 16-bit
-    inputs (TF32 products are the Triton path's precision for those only)."""
-    return chunk_size == C and K % PART == 0 and V % PART == 0 and jnp.dtype(dtype).itemsize == 2
+def supported(K, V, chunk_size, k_dtype, v_dtype) -> bool:
+    """Whether :func:`wu_call` takes these: chunk 64, K and V multiples of 32 (whole parts), k and v
+    of one 16-bit dtype (TF32 products are the Triton path's precision for those only; the two
+    share input buffers)."""
+    return (chunk_size == C and K % PART == 0 and V % PART == 0 and jnp.dtype(k_dtype).itemsize == 2
+            and jnp.dtype(k_dtype) == jnp.dtype(v_dtype))
 
 
 def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_ref, *, rep):
@@ -49,21 +51,32 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
     swz = lambda shape, dtype, width: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype, width))
     plain = lambda shape, dtype: plgpu.SMEM(shape, dtype)
 
-    def body(x_s, b_s, kin_s, G_s, gl_s, vin_s, bT_s, kd_s, out_s, dec_s, start, ready_k, ready_v):
+    def body(x_s, b_s, in_s, G_s, gl_s, bT_s, kd_s, out_s, dec_s, start, ready_k, ready_v):
         plgpu.copy_gmem_to_smem(x_ref.at[h, rows], x_s, start)
         plgpu.copy_gmem_to_smem(beta_ref.at[h, rows], b_s, start)
+        nk = K // PART
 
-        def issue_k(x, slot):
-            bar = ready_k.at[slot]
-            plgpu.copy_gmem_to_smem(k_ref.at[rows, h // rep, cols(x)], kin_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(G_ref.at[rows, h, cols(x)], G_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(G_ref.at[c * C + C - 1, h, cols(x)], gl_s.at[slot], bar)
+        def issue(x, slot):  # parts 0 .. nk - 1: k and G; then v
+            def k_part():
+                bar = ready_k.at[slot]
+                plgpu.copy_gmem_to_smem(k_ref.at[rows, h // rep, cols(x)], in_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(G_ref.at[rows, h, cols(x)], G_s.at[slot], bar)
+                plgpu.copy_gmem_to_smem(G_ref.at[c * C + C - 1, h, cols(x)], gl_s.at[slot], bar)
 
-        def issue_v(x, slot):
-            plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols(x)], vin_s.at[slot], ready_v.at[slot])
+            def v_part():
+                plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols(x - nk)], in_s.at[slot], ready_v.at[slot])
 
-        plgpu.barrier_wait(start)
-        beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, PART), [0]))
+            if isinstance(x, int):
+                (k_part if x < nk else v_part)()
+            else:
+                pl.when(x < nk)(k_part)
+                pl.when(x >= nk)(v_part)
+
+        beta = []
+
+        def started():  # X and beta, in flight with the first parts
+            plgpu.barrier_wait(start)
+            beta.append(pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, PART), [0])))
 
         def product(b):
             """``X b`` (``b [C, PART]`` float32) into the part's output tile as ``st``; returns the tile."""
@@ -79,36 +92,36 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
             out_s[...] = pin(out).astype(st)
             return out_s
 
-        def k_step(x, slot):
-            plgpu.barrier_wait(ready_k.at[slot])
-            G = plgpu.load(G_s.at[slot], layout=lay)
-            k = pin(plgpu.load(kin_s.at[slot], layout=lay).astype(_F32))
-            gl = plgpu.load(gl_s.at[slot], layout=lay.reduce(0))
-            kd = pin(k * _exp(pin(lax.broadcast_in_dim(gl, (C, PART), [1])) - G))
-            tile = product(pin(beta * k * _exp(G)))
-            kd_s.T[...] = plgpu.layout_cast(kd.astype(st), plgpu.Layout.WGMMA_TRANSPOSED)
-            dec_s[...] = _exp(gl)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile, w_ref.at[h, rows, cols(x)])
-            plgpu.copy_smem_to_gmem(kd_s, kdT_ref.at[h, c, cols(x)])
-            plgpu.copy_smem_to_gmem(dec_s, decay_ref.at[h, c, cols(x)])
+        def step(x, slot):
+            @pl.when(x < nk)
+            def _():
+                plgpu.barrier_wait(ready_k.at[slot])
+                G = plgpu.load(G_s.at[slot], layout=lay)
+                k = pin(plgpu.load(in_s.at[slot], layout=lay).astype(_F32))
+                gl = plgpu.load(gl_s.at[slot], layout=lay.reduce(0))
+                kd = pin(k * _exp(pin(lax.broadcast_in_dim(gl, (C, PART), [1])) - G))
+                tile = product(pin(beta[0] * k * _exp(G)))
+                kd_s.T[...] = plgpu.layout_cast(kd.astype(st), plgpu.Layout.WGMMA_TRANSPOSED)
+                dec_s[...] = _exp(gl)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(tile, w_ref.at[h, rows, cols(x)])
+                plgpu.copy_smem_to_gmem(kd_s, kdT_ref.at[h, c, cols(x)])
+                plgpu.copy_smem_to_gmem(dec_s, decay_ref.at[h, c, cols(x)])
 
-        def v_step(x, slot):
-            plgpu.barrier_wait(ready_v.at[slot])
-            v = pin(plgpu.load(vin_s.at[slot], layout=lay).astype(_F32))
-            tile = product(pin(beta * v))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile, u_ref.at[h, rows, cols(x)])
+            @pl.when(x >= nk)
+            def _():
+                plgpu.barrier_wait(ready_v.at[slot])
+                v = pin(plgpu.load(in_s.at[slot], layout=lay).astype(_F32))
+                tile = product(pin(beta[0] * v))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(tile, u_ref.at[h, rows, cols(x - nk)])
 
-        for x in range(min(SLOTS - 1, V // PART)):  # v's first parts in flight during k's
-            issue_v(x, x)
-        _pipelined(K // PART, SLOTS, issue_k, k_step)
-        _pipelined(V // PART, SLOTS, issue_v, v_step, primed=True)
-        plgpu.wait_smem_to_gmem(0)
+        _pipelined(nk + V // PART, SLOTS, issue, step, started)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the writes to global memory finish on their own
 
     pl.run_scoped(body, swz((C, C), _F32, PART), plain((C,), _F32),
                   swz((SLOTS, C, PART), k_ref.dtype, PART), swz((SLOTS, C, PART), _F32, PART),
-                  plain((SLOTS, PART), _F32), swz((SLOTS, C, PART), v_ref.dtype, PART),
+                  plain((SLOTS, PART), _F32),
                   swz((PART, C), _F32, PART), plain((PART, C), st), swz((C, PART), st, PART), plain((PART,), _F32),
                   plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=3, num_barriers=SLOTS),
                   plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS))
@@ -123,13 +136,13 @@ def wu_call(k, v, G, beta, X, *, store_dtype, interpret=False):
         interpret = plgpu.InterpretGPUParams()
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[-1]
-    if not supported(K, V, C, k.dtype) or TT % C:
-        raise ValueError(f"the Mosaic GPU kernel C takes chunk {C}, K and V multiples of {PART} and 16-bit k, v; "
-                         f"got K={K}, V={V}, {k.dtype}, {TT} tokens")
+    if not supported(K, V, C, k.dtype, v.dtype) or TT % C:
+        raise ValueError(f"the Mosaic GPU kernel C takes chunk {C}, K and V multiples of {PART} and 16-bit k, v of one dtype; "
+                         f"got K={K}, V={V}, {k.dtype} and {v.dtype}, {TT} tokens")
     NC = TT // C
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     out = (st(HV, NC, K, C), st(HV, TT, K), st(HV, TT, V), jax.ShapeDtypeStruct((HV, NC, K), _F32))
     kernel = plgpu.kernel(functools.partial(_kernel, rep=HV // H), out_type=out, grid=(NC * HV,), grid_names=("i",),
-                          interpret=interpret)
+                          kernel_name="kda_wu", interpret=interpret)
     kdT, W, U, decay = kernel(k, v, G, jnp.moveaxis(beta[..., 0], 1, 0).astype(_F32), X)
     return kdT, W, U, decay[..., None]

@@ -283,35 +283,41 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
 def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
     """``chunk_kda(wu_kernel="mosaic_gpu")`` beside the Mosaic GPU kernel A, at the gate bound:
     varlen, GVA, initial states, 64-token checkpoints, 2 segments; against the references within
-    bf16 tolerance. It lowers for the H200 at a serving shape (K = V = 128), and is refused where
-    it does not apply."""
+    bf16 tolerance. The default where it applies (16-bit k and v of one dtype), Triton's kernel C
+    otherwise or when asked; it lowers for the H200 at a serving shape (K = V = 128), and is
+    refused where it does not apply."""
     x = kda_inputs(8, 1, 228, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16, gate_scale=4.0)
     _chunk_kda_matches_the_references(jnp.array([0, 100, 228], jnp.int32), x, random_state(8, (2, 2, 64, 64)),
                                       gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", wu_kernel="mosaic_gpu",
                                       **gpu_run)
-    module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, wu_kernel="mosaic_gpu")
-    assert module.count("mosaic_gpu_v2") == 4 and module.count("xla.gpu.triton") == 3
+    for kernel, mosaic in ((None, 4), ("mosaic_gpu", 4), ("triton", 3)):
+        module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, wu_kernel=kernel)
+        assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == 7 - mosaic
+    f32_v = (*x[:2], x[2].astype(jnp.float32), *x[3:])  # k bf16, v float32: Triton's kernel C by default
+    o, _ = prefill.chunk_kda(*f32_v, backend="gpu", interpret=True, gate_lower_bound=-5.0)
+    assert o.shape == x[2].shape
     with pytest.raises(ValueError, match="wu_kernel must be"):
         prefill.chunk_kda(*x, backend="gpu", wu_kernel="mosaic")
-    with pytest.raises(ValueError, match="kernel C runs on the GPU backend"):
-        prefill.chunk_kda(*(a.astype(jnp.float32) for a in x), backend="gpu", wu_kernel="mosaic_gpu")
+    for bad in (tuple(a.astype(jnp.float32) for a in x), f32_v):
+        with pytest.raises(ValueError, match="kernel C runs on the GPU backend"):
+            prefill.chunk_kda(*bad, backend="gpu", wu_kernel="mosaic_gpu")
 
 
 def test_the_mosaic_recurrence_lowers_for_the_h200():
     """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
-    kernels, stage 1 on Triton, at a serving shape (bf16, K = V = 128, GVA, 2 segments); the
-    default picks it there, and Triton where it does not apply (float32 intermediates) or where
-    a Triton ``block_v`` is given."""
+    kernels, stage 1 on Triton but for kernel C (Mosaic GPU for these bf16 inputs), at a serving
+    shape (bf16, K = V = 128, GVA, 2 segments); the default picks it there, and Triton where it
+    does not apply (float32 intermediates) or where a Triton ``block_v`` is given."""
     for module in (_export("gpu", "cuda", H200, recurrence="mosaic_gpu"), _export("gpu", "cuda", H200)):
-        assert module.count("mosaic_gpu_v2") == 2 and module.count("xla.gpu.triton") == 5
+        assert module.count("mosaic_gpu_v2") == 3 and module.count("xla.gpu.triton") == 4
     for kw in (dict(intermediate_dtype=jnp.float32), dict(block_v=64)):
         module = _export("gpu", "cuda", H200, **kw)
-        assert module.count("mosaic_gpu_v2") == 0 and module.count("xla.gpu.triton") == 7
-    # Kernel A too (bounded gates): the cumsum, diagonal inverse, inverse and W / U kernels stay
-    # on Triton. The default where it applies; Triton when asked.
-    for kernel, mosaic in ((None, 3), ("mosaic_gpu", 3), ("triton", 2)):
+        assert module.count("mosaic_gpu_v2") == 1 and module.count("xla.gpu.triton") == 6
+    # Kernel A too (bounded gates): the cumsum, diagonal inverse and inverse kernels stay on
+    # Triton. The default where it applies; Triton when asked.
+    for kernel, mosaic in ((None, 4), ("mosaic_gpu", 4), ("triton", 3)):
         module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, prep_kernel=kernel)
-        assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == 4 + (mosaic == 2)
+        assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == 7 - mosaic
 
 
 def test_bad_arguments_are_rejected():

@@ -80,7 +80,8 @@ def main():
             # Read when the kernel is traced: each variant is a new jit function.
             prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS = lay or own_layout
             fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
-                                           recurrence=bv and "mosaic_gpu", prep_kernel=pk, wu_kernel=None if wk == "auto" else wk))
+                                           recurrence=bv and "mosaic_gpu", prep_kernel=pk,
+                                           wu_kernel=None if wk == "auto" else wk))
             ours = kernel_seconds(lambda: fn(*xs), STEPS)
             show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}{'' if lay is None else lay} "
                  f"kernel C={wk}", ours)

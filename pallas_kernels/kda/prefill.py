@@ -289,15 +289,15 @@ def chunk_kda(
         (:mod:`pallas_kernels.kda.prep_mgpu`: TF32 WGMMA products; needs ``gate_lower_bound``,
         chunk 64, K in (64, 128) and 16-bit inputs; its diagonal blocks' inverses then run as a
         Triton kernel of their own). None: Mosaic GPU where it applies, else Triton. The gate
-        cumsum, the inverse and W / U stay on Triton. Kernel time, K3 gates (2026-12-02): on the
+        cumsum and the inverse stay on Triton. Kernel time, K3 gates (2026-12-02): on the
         H200 it took 1.42 ms against the Triton kernel A's 2.10 at B1 T131k H12 (the whole call
-        4.94 against 5.25 ms when it took 1.49); on an H100 the whole call was 8-10% faster at
+        4.94 against 5.25 ms when it took 1.49; 1.14 ms on 2026-12-03); on an H100 the whole call was 8-10% faster at
         H = 4, 12 and 32.
-      wu_kernel: GPU: stage 1's kernel C (W, U, kd^T, decay), "triton" (the default) or
-        "mosaic_gpu" (:mod:`pallas_kernels.kda.wu_mgpu`: TF32 WGMMA products; needs chunk 64, K and
-        V multiples of 32 and 16-bit inputs). The Mosaic GPU one is tested in the Mosaic GPU
-        interpreter and lowers for the H200, but has not run compiled on a GPU or been timed yet
-        (its ``-m gpu`` tests exist), so Triton stays the default.
+      wu_kernel: GPU: stage 1's kernel C (W, U, kd^T, decay), "triton" or "mosaic_gpu"
+        (:mod:`pallas_kernels.kda.wu_mgpu`: TF32 WGMMA products; needs chunk 64, K and V multiples
+        of 32 and k, v of one 16-bit dtype). None: Mosaic GPU where it applies, else Triton. On
+        the H200 (2026-12-03, kernel time) it took 870 against 1153 us at B1 T131k H12 and made
+        the whole call 7-8% faster at the dense shapes timed.
       initial_state_fn: as in :func:`k3jax.ops.kda.chunk_kda` (the sequences' own maps in, the
         initial states out). GPU: the maps come from the segment summary pass over this call's
         token-parallel stage; TPU: from :func:`k3jax.ops.kda.sequence_maps` (XLA).

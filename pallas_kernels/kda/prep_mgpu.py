@@ -5,7 +5,9 @@
 One warpgroup per item (chunk, value head), ``WGS`` warpgroups per CTA (one by default),
 items in order with the heads fastest. TMA brings the chunk's q, k, gate cumsum G and
 each 16-row sub-chunk's anchor row of G into shared memory in 32-column parts of K, the next two
-parts' copies in flight while this one is computed, and beta once.
+parts' copies in flight while this one is computed, and beta once (awaited after the first
+parts' copies are issued: waiting before them made every item start with two memory latencies in
+a row, 1181 against 1140 us on the H200 at B1 T131k H12, 2026-12-03).
 Every sub-chunk ``i`` is anchored at its first row's G, ``a_i`` (as in the Triton kernel A), so
 the row factors ``exp(G_r - a_i)`` lie in ``[e^-75, 1]`` and the column factors
 ``exp(a_i - G_c)`` of the columns up to the sub-chunk's end in ``[e^-240, e^75]`` when every gate
@@ -64,7 +66,8 @@ PART = 32  # K columns per pass: one 128-byte row of float32 (tile 8 x 32, 128-b
 NS = C // SUB
 # Input buffers: parts x + 1 and x + 2's copies are in flight while part x is computed. On the H200
 # at B1 T131k H12 three were 1.7% faster than two (1418 against 1442 us, 2026-12-02; 86 against
-# 70 KB of shared memory, two CTAs per SM either way: registers limit them).
+# 70 KB of shared memory, two CTAs per SM either way: registers limit them); four (103 KB) were
+# slower, 1151 against 1133 us (2026-12-03).
 SLOTS = 3
 # Warpgroups per CTA, each on an item (chunk, value head) of its own with its own buffers. On the
 # H200 at B1 T131k H12 (2026-12-03): 1 (two CTAs per SM) 1177 us; with PART 16, 3 (168

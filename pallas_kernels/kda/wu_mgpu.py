@@ -1,14 +1,19 @@
 """Kernel C of the GPU token-parallel stage in Mosaic GPU (``plgpu.kernel``): :func:`wu_call`, the
 contract of :func:`pallas_kernels.kda._chunk.gpu_prep_call`'s Triton kernel C (W, U, kd^T and decay
-of every chunk from its inverse X). Not timed yet.
+of every chunk from its inverse X); :func:`pallas_kernels.kda.chunk_kda`'s default where it applies.
 
 One warpgroup per item (chunk, value head), items with the heads fastest. TMA brings the chunk's
-inverse X (float32) and beta once, and k with the gate cumsum G, then v, in 32-column parts (the
-next part's copies in flight while one is computed). Per part the right operand of the product
-with X, ``beta k exp(G)`` or ``beta v``, goes to shared memory transposed (a register relayout to
-the transposed WGMMA layout and a store through the transposed view), so the TF32 WGMMA
+inverse X (float32) and beta once, and k with the gate cumsum G, then v, in 32-column parts
+through one pipeline of ``SLOTS`` input buffers that the k and v parts share (two parts' copies in
+flight while one is computed). Per part the right operand of the product with X,
+``beta k exp(G)`` or ``beta v``, goes to shared memory transposed (a register relayout to the
+transposed WGMMA layout and a store through the transposed view), so the TF32 WGMMA
 ``X [C, C] x B [C, 32]`` reads both operands along the contraction (TF32 WGMMA takes no other
 order); kd^T goes out the same way, W and U as row tiles, all by TMA.
+
+On the H200 (2026-12-03, docs/benchmarks.md) it took 870 us at B1 T131k H12 against 1153 for the
+Triton kernel C (3.6 TB/s), 578 against 774 at T32k H32. Two input buffers per pipeline, k's and
+v's apart, took 910; four shared ones (two CTAs per SM instead of three) 920.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pallas_kernels.kda.prefill_mgpu import _part, _pipelined, _swizzled
 _F32 = jnp.float32
 C = 64
 PART = 32  # columns per part: one 128-byte row of float32
-SLOTS = 3  # input buffers, shared by the k parts then the v parts: two parts' copies in flight
+SLOTS = 3  # input buffers, shared by the k parts then the v parts (68.5 KB in all: three CTAs per SM)
 
 
 def supported(K, V, chunk_size, k_dtype, v_dtype) -> bool:
@@ -137,8 +142,8 @@ def wu_call(k, v, G, beta, X, *, store_dtype, interpret=False):
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[-1]
     if not supported(K, V, C, k.dtype, v.dtype) or TT % C:
-        raise ValueError(f"the Mosaic GPU kernel C takes chunk {C}, K and V multiples of {PART} and 16-bit k, v of one dtype; "
-                         f"got K={K}, V={V}, {k.dtype} and {v.dtype}, {TT} tokens")
+        raise ValueError(f"the Mosaic GPU kernel C takes chunk {C}, K and V multiples of {PART} and 16-bit k, v of "
+                         f"one dtype; got K={K}, V={V}, {k.dtype} and {v.dtype}, {TT} tokens")
     NC = TT // C
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     out = (st(HV, NC, K, C), st(HV, TT, K), st(HV, TT, V), jax.ShapeDtypeStruct((HV, NC, K), _F32))

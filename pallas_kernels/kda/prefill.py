@@ -225,6 +225,19 @@ def _backend(backend):
     raise ValueError(f"no KDA prefill kernel for backend {backend!r}")
 
 
+def _kernel_choice(arg, value, ok, *, requirement, default=None):
+    """A GPU stage's kernel, ``"triton"`` or ``"mosaic_gpu"``: ``value``, checked (``ok``: the Mosaic
+    GPU kernel applies, else ``requirement`` is the error), or for None Mosaic GPU where
+    ``default`` (``ok`` unless given), else Triton."""
+    if value is None:
+        return "mosaic_gpu" if (ok if default is None else default) else "triton"
+    if value not in ("triton", "mosaic_gpu"):
+        raise ValueError(f"{arg} must be 'triton' or 'mosaic_gpu', got {value!r}")
+    if value == "mosaic_gpu" and not ok:
+        raise ValueError(requirement)
+    return value
+
+
 def _interpret(interpret, backend):
     if interpret is None:
         if jax.default_backend() != "cpu":
@@ -322,33 +335,23 @@ def chunk_kda(
         raise ValueError("bfloat16 intermediates are implemented for the GPU kernels only")
     if gate_lower_bound is not None and not -5.0 <= gate_lower_bound <= 0.0:
         raise ValueError(f"gate_lower_bound must be in [-5, 0] (None for unbounded gates), got {gate_lower_bound}")
-    mosaic_ok = kind == "gpu" and prefill_mgpu.supported(K, V, chunk_size, store)
-    if recurrence is None:
-        recurrence = default_recurrence(K, V, chunk_size, store, block_v) if kind == "gpu" else "triton"
-    if recurrence not in ("triton", "mosaic_gpu"):
-        raise ValueError(f"recurrence must be 'triton' or 'mosaic_gpu', got {recurrence!r}")
-    if recurrence == "mosaic_gpu" and not mosaic_ok:
-        raise ValueError("the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, "
-                         f"chunk_size 64, K in (64, 128) and V a multiple of 64; got backend {kind}, "
-                         f"{store.name} intermediates, chunk_size {chunk_size}, K={K}, V={V}")
-    mosaic_a_ok = kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype, gate_lower_bound is not None)
-    if prep_kernel is None:
-        prep_kernel = "mosaic_gpu" if mosaic_a_ok else "triton"
-    if prep_kernel not in ("triton", "mosaic_gpu"):
-        raise ValueError(f"prep_kernel must be 'triton' or 'mosaic_gpu', got {prep_kernel!r}")
-    if prep_kernel == "mosaic_gpu" and not mosaic_a_ok:
-        raise ValueError("the Mosaic GPU kernel A runs on the GPU backend with gate_lower_bound set, chunk_size 64, "
-                         f"K in (64, 128) and 16-bit inputs; got backend {kind}, gate_lower_bound "
-                         f"{gate_lower_bound}, chunk_size {chunk_size}, K={K}, {q.dtype}")
-    mosaic_c_ok = kind == "gpu" and wu_mgpu.supported(K, V, chunk_size, k.dtype, v.dtype)
-    if wu_kernel is None:
-        wu_kernel = "mosaic_gpu" if mosaic_c_ok else "triton"
-    if wu_kernel not in ("triton", "mosaic_gpu"):
-        raise ValueError(f"wu_kernel must be 'triton' or 'mosaic_gpu', got {wu_kernel!r}")
-    if wu_kernel == "mosaic_gpu" and not mosaic_c_ok:
-        raise ValueError("the Mosaic GPU kernel C runs on the GPU backend with chunk_size 64, K and V multiples of "
-                         f"32 and k, v of one 16-bit dtype; got backend {kind}, chunk_size {chunk_size}, K={K}, "
-                         f"V={V}, {k.dtype} and {v.dtype}")
+    recurrence = _kernel_choice(
+        "recurrence", recurrence, kind == "gpu" and prefill_mgpu.supported(K, V, chunk_size, store),
+        default=kind == "gpu" and default_recurrence(K, V, chunk_size, store, block_v) == "mosaic_gpu",
+        requirement="the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, chunk_size 64, "
+                    f"K in (64, 128) and V a multiple of 64; got backend {kind}, {store.name} intermediates, "
+                    f"chunk_size {chunk_size}, K={K}, V={V}")
+    prep_kernel = _kernel_choice(
+        "prep_kernel", prep_kernel,
+        kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype, gate_lower_bound is not None),
+        requirement="the Mosaic GPU kernel A runs on the GPU backend with gate_lower_bound set, chunk_size 64, "
+                    f"K in (64, 128) and 16-bit inputs; got backend {kind}, gate_lower_bound {gate_lower_bound}, "
+                    f"chunk_size {chunk_size}, K={K}, {q.dtype}")
+    wu_kernel = _kernel_choice(
+        "wu_kernel", wu_kernel, kind == "gpu" and wu_mgpu.supported(K, V, chunk_size, k.dtype, v.dtype),
+        requirement="the Mosaic GPU kernel C runs on the GPU backend with chunk_size 64, K and V multiples of 32 "
+                    f"and k, v of one 16-bit dtype; got backend {kind}, chunk_size {chunk_size}, K={K}, V={V}, "
+                    f"{k.dtype} and {v.dtype}")
     if recurrence == "mosaic_gpu" and block_v is not None:
         prefill_mgpu.check_block_v(block_v)  # before stage 1 runs
     if num_segments is not None and num_segments < 1:

@@ -71,11 +71,8 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
             def v_part():
                 plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols(x - nk)], in_s.at[slot], ready_v.at[slot])
 
-            if isinstance(x, int):
-                (k_part if x < nk else v_part)()
-            else:
-                pl.when(x < nk)(k_part)
-                pl.when(x >= nk)(v_part)
+            pl.when(x < nk)(k_part)  # a Python bool for the first parts, traced in the loop
+            pl.when(x >= nk)(v_part)
 
         beta = []
 

@@ -6,8 +6,9 @@ sequence starts on a chunk boundary (padding slots are zero tokens: the identity
 
 Segment-parallel prefill (GPU): when sequences x heads x column blocks cannot fill the device,
 each sequence's chunks are split into ``P`` segments; one pass computes every segment's affine
-map ``(M, E)`` from its own tokens (in parallel), a fold in float32 (a chain of batched
-products, or an associative scan when an ``initial_state_fn`` wants every sequence's whole map)
+map ``(M, E)`` from its own tokens (in parallel), a fold in float32 (a chain of products in one
+kernel, :func:`prefill_gpu.fold_call`, or XLA's associative scan when an ``initial_state_fn``
+wants every sequence's whole map)
 gives each segment's true initial state, and a second pass finishes every segment from it.
 :func:`plan_segments` picks ``P``.
 """
@@ -22,7 +23,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import _check_inputs, _chunk_layout, _out_dtype, l2norm, sequence_maps
-from k3jax.ops.segments import apply_segment, combine_segments, prefix_starts
+from k3jax.ops.segments import combine_segments, prefix_starts
 from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu, prep_mgpu, wu_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
@@ -82,9 +83,12 @@ _SUMMARY_STEP = {64: 0.75, 128: 1.0, 256: 1.6}
 _RECURRENCE_STEP = {64: 1.0, 128: 1.9}
 # What a wave of CTAs pays besides its chunks (the state in and out, the first loads), in chunks.
 _WAVE_START = 4
-# What a segment adds to the fold of the maps (:func:`chained_starts`' batched products and XLA's
-# slices), in chunks: about 8 us on the H200 at H = 12 (90 us more at P = 16 than at P = 5;
-# XLA's associative scan took 156 more, 2026-12-03), where a recurrence chunk takes 1.44 us.
+# What a segment adds to the fold of the maps, in chunks (a recurrence chunk takes 1.44 us on the
+# H200). Set when the fold was XLA's batched products: about 8 us per segment at H = 12 (90 us more
+# at P = 16 than at P = 5; XLA's associative scan took 156 more, 2026-12-03). The fold kernel
+# (:func:`prefill_gpu.fold_call`) takes about 3.5 us per segment (34 us at H = 12, P = 11; 49 at
+# H = 4, P = 16); 3 here would move T = 32768 from P = 9 to 16 at H = 4 and from 5 to 11 at
+# H = 12 (not timed), and leaves the choices at T = 131072 as they are.
 _FOLD_STEP = 6
 
 
@@ -140,17 +144,6 @@ def mosaic_segment_cost(num_seqs, num_heads, K, V, chunks, P, *, num_cores, recu
     summary = _summary_cost(num_seqs, num_heads, K, V, P, num_cores=num_cores)[0] if P > 1 else 0
     recurrence = _recurrence_cost(num_seqs, num_heads, V, P, recurrence_widths, num_cores=num_cores)[0]
     return (recurrence + summary) * (chunks / P + _WAVE_START) + _FOLD_STEP * (P - 1)
-
-
-def chained_starts(first, M, E, init):
-    """Every segment's starting state when only the starts are needed: ``init``, then ``first``
-    (the first segment's map already applied to ``init``), then ``S_{p+1} = M_p S_p + E_p`` for
-    the middle segments' maps ``M [N, P - 2, HV, K, K]``, ``E [N, P - 2, HV, K, V]``: P - 2 batched
-    products one after another (unrolled) instead of an associative scan's log2 P levels of
-    ``K x K`` compositions. Returns ``[N, P, HV, K, V]``."""
-    step = lambda S, ME: (apply_segment(ME, S),) * 2
-    _, after = jax.lax.scan(step, first, (jnp.moveaxis(M, 1, 0), jnp.moveaxis(E, 1, 0)), unroll=True)
-    return jnp.concatenate([init[:, None], first[:, None], jnp.moveaxis(after, 0, 1)], axis=1)
 
 
 def gpu_programs(rows, num_heads, V, block_v):
@@ -419,14 +412,13 @@ def chunk_kda(
             cta_cols = {} if recurrence != "mosaic_gpu" else dict(cta_cols=summary_cta_cols(
                 N, HV, K, V, P, block_v=block_v, paid=initial_state_fn is not None))
             ME = scan(prep, e_start, vstart, vend, table, summary=True, block_v=summary_block_v, **cta_cols)
-            M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
             if initial_state_fn is None:
-                starts = chained_starts(E[:, 0], M[:, 1:-1], E[:, 1:-1], init)
+                starts = prefill_gpu.fold_call(ME, init, P=P, interpret=bool(interpret))
             else:
+                M, E = ME[..., :K].reshape(N, P, HV, K, K), ME[..., K:].reshape(N, P, HV, K, V)
                 M_all, E_all = jax.lax.associative_scan(combine_segments, (M, E), axis=1)
                 init = initial_state_fn(M_all[:, -1], E_all[:, -1]).astype(_F32)
-                starts = prefix_starts((M_all, E_all), init)  # the same scan, not run again
-            starts = starts.reshape(N * P, HV, K, V)
+                starts = prefix_starts((M_all, E_all), init).reshape(N * P, HV, K, V)  # the same scan, not run again
         cta_cols = {} if recurrence != "mosaic_gpu" else dict(cta_cols=recurrence_cta_cols(N, HV, V, P, widths))
         o, final, ckpts = scan(prep, starts, vstart, vend, ck_slot, out_dtype=out_dtype, block_v=block_v, **cta_cols)
         final = final.reshape(N, P, HV, K, V)[:, -1]

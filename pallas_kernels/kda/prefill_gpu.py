@@ -16,6 +16,7 @@ outputs: the recurrence is independent across state columns, so running it on ``
 columns that start as ``[I | 0]``, with U replaced by 0 in the first K, gives ``[M | E]``.
 Started from ``[I | S_in]`` the E columns give ``M S_in + E`` directly (a sequence's first
 segment, whose start is known), and column blocks whose results nobody reads are skipped.
+:func:`fold_call` chains the maps into every segment's starting state.
 """
 
 from __future__ import annotations
@@ -123,3 +124,63 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
     )(vstart, vend, ck_slot, kdT, W, U, decay, init, qg, Aqk)
     return outs[0] if summary else tuple(outs)
 
+
+
+def _fold_kernel(me_ref, init_ref, out_ref, *, P: int, BV: int, KB: int, precision):
+    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    K = me_ref.shape[2]
+    nb = K // KB
+    cols, ecols = pl.ds(j * BV, BV), pl.ds(K + j * BV, BV)
+    rows = [pl.ds(i * KB, KB) for i in range(nb)]
+    out_ref[n * P, h, :, cols] = init_ref[n, h, :, cols]
+    # The state as nb row blocks (values cannot be sliced): S_i = sum_m M_im S_m + E_i.
+    first = tuple(me_ref[n * P, h, r, ecols] for r in rows)
+
+    def store(p, S):
+        for r, x in zip(rows, S):
+            out_ref[n * P + p, h, r, cols] = x
+
+    def load(p):  # segment p's map, loaded a step ahead of its product
+        seg = n * P + p
+        M = tuple(tuple(me_ref[seg, h, ri, rm] for rm in rows) for ri in rows)
+        return M, tuple(me_ref[seg, h, r, ecols] for r in rows)
+
+    def step(p, carry):
+        S, (M, E) = carry
+        ahead = load(jnp.minimum(p + 1, P - 2))
+        S = tuple(sum(_dot(m, x, precision) for m, x in zip(Mi, S)) + Ei for Mi, Ei in zip(M, E))
+        store(p + 1, S)
+        return S, ahead
+
+    store(1, first)
+    if P > 2:
+        jax.lax.fori_loop(1, P - 1, step, (first, load(1)))
+
+
+def fold_call(ME, init, *, P: int, block_v=16, block_k=128, num_warps=8, num_stages=1, precision=GPU_PRECISION,
+              interpret=False):
+    """Every segment's starting state from the summary pass's maps, one kernel: ``ME [N * P, HV,
+    K, K + V]`` (``[M_p | E_p]`` per sequence and segment, the first segment's E columns already
+    run from its start, its M and the last segment's map never read), ``init f32[N, HV, K, V]``.
+    Returns ``f32[N * P, HV, K, V]``: ``init``, ``E_0``, then ``S_{p+1} = M_p S_p + E_p``. One
+    program per ``(sequence, head, block_v columns)`` keeps its columns of the state in registers
+    (as ``K / block_k`` row blocks) through the ``P - 2`` products, TF32x3 (float32-accurate, as
+    KDA.md asks of the M chain), each segment's map loaded a step ahead. It replaced a chain of
+    XLA's batched products and adds, two kernels per segment: 34 against 70 us at B1 H12 P11 on
+    the H200 (docs/benchmarks.md, 2026-12-03; 16 columns on 8 warps; 36 us without the load
+    ahead, 59-147 with 32 or 64 columns or 4 or 16 warps, 530 with IEEE float32 products).
+    K = 256 (two row blocks) is tested, not timed."""
+    NP, HV, K, W = ME.shape
+    N, V = init.shape[0], W - K
+    if NP != N * P or init.shape != (N, HV, K, V):
+        raise ValueError(f"ME {ME.shape} and init {init.shape} do not match P = {P}")
+    BV, KB = min(block_v, V), min(block_k, K)
+    if V % BV or K % KB:
+        raise ValueError(f"V={V} and K={K} must be multiples of block_v={BV} and block_k={KB}")
+    return pl.pallas_call(
+        functools.partial(_fold_kernel, P=P, BV=BV, KB=KB, precision=_HI if interpret else precision),
+        grid=(N, HV, V // BV),
+        out_shape=jax.ShapeDtypeStruct((NP, HV, K, V), _F32),
+        compiler_params=None if interpret else params(num_warps, num_stages),
+        interpret=interpret,
+    )(ME, init.astype(_F32))

@@ -24,7 +24,7 @@ from k3jax.ops.segments import apply_segment, segment_initial_states
 from pallas_kernels.kda import prefill, prefill_gpu
 from pallas_kernels.kda._chunk import (GPU_PRECISION, _inverse_body, diagonal_inverse_call,
                                       gate_cumsum_call)
-from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state
+from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state, skip_compiled_on_cpu
 
 TPU_INTERPRET = pltpu.InterpretParams(
     detect_races=True, num_cores_or_threads=2, random_seed=3, uninitialized_memory="nan"
@@ -236,19 +236,28 @@ def test_summary_pass_skips_and_starts():
     assert not bool(jnp.allclose(full[1, 0, :, :K], eye))  # the skipped segment's map is not the identity
 
 
-@pytest.mark.parametrize("P", [2, 3, 6])
-def test_chained_starts_match_the_exclusive_scan(P):
-    """The segments' starts as a chain of products equal the reference exclusive scan
-    (``segment_initial_states``) over the same maps, the first already applied to the start."""
+@pytest.mark.parametrize("run", GPU_RUNS)
+@pytest.mark.parametrize("P, block_k", [(2, 32), (3, 16), (6, 32), (6, 16)])
+def test_fold_kernel_matches_the_exclusive_scan(P, block_k, run):
+    """The GPU fold (``prefill_gpu.fold_call``) gives the reference exclusive scan's
+    starts (``segment_initial_states``) from ``[M | E]`` as the summary pass leaves it: the first
+    segment's E columns already run from the start; its M and the last segment's map are NaN
+    here, so reading them fails the test. ``block_k = 16`` holds the state as two row blocks."""
     ks = jax.random.split(jax.random.key(P), 3)
-    N, HV, K, V = 2, 3, 8, 16
-    M = 0.4 * jax.random.normal(ks[0], (N, P, HV, K, K))
+    N, HV, K, V = 2, 3, 32, 32
+    M = 0.2 * jax.random.normal(ks[0], (N, P, HV, K, K))
     E = jax.random.normal(ks[1], (N, P, HV, K, V))
     init = random_state(P, (N, HV, K, V))
     want = segment_initial_states((M, E), init)
-    got = prefill.chained_starts(apply_segment((M[:, 0], E[:, 0]), init), M[:, 1:-1], E[:, 1:-1], init)
-    assert got.shape == (N, P, HV, K, V)
-    assert_close(got, want, "f32_state")
+    ME = jnp.concatenate([M, E.at[:, 0].set(apply_segment((M[:, 0], E[:, 0]), init))], axis=-1)
+    ME = ME.at[:, 0, ..., :K].set(jnp.nan).at[:, -1].set(jnp.nan)
+    skip_compiled_on_cpu(run)
+    got = prefill_gpu.fold_call(ME.reshape(N * P, HV, K, K + V), init, P=P, block_v=16, block_k=block_k,
+                                interpret=run["interpret"])
+    assert got.shape == (N * P, HV, K, V)
+    assert_close(got.reshape(N, P, HV, K, V), want, "f32_state")
+    with pytest.raises(ValueError, match="do not match"):
+        prefill_gpu.fold_call(ME.reshape(N * P, HV, K, K + V), init, P=P + 1, interpret=True)
 
 
 def test_bad_arguments_are_rejected():
@@ -320,14 +329,14 @@ def _export(backend, platform, device, K=128, V=128, **kw):
 
 def test_kernels_lower_for_tpu_and_gpu():
     """Mosaic accepts the TPU kernels and the Triton lowering accepts the GPU kernels (incl. the
-    segment summary pass and both stage-1 kernels) at serving shapes: bf16, K = V = 128, GVA;
+    segment summary pass, the fold and both stage-1 kernels) at serving shapes: bf16, K = V = 128, GVA;
     and both at K = V = 256 (where the GPU recurrence falls back to Triton: the Mosaic GPU one
     takes K <= 128; stage 1's kernel C is Mosaic GPU's for these bf16 inputs)."""
     tpu = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     assert _export("tpu", "tpu", tpu).count("tpu_custom_call") >= 2
     assert _export("tpu", "tpu", tpu, K=256, V=256).count("tpu_custom_call") >= 2
     module = _export("gpu", "cuda", H200, K=256, V=256)
-    assert module.count("xla.gpu.triton") == 6 and module.count("mosaic_gpu_v2") == 1
+    assert module.count("xla.gpu.triton") == 7 and module.count("mosaic_gpu_v2") == 1
     # The summary pass and the recurrence run one pipeline stage there (three overflow the H200's
     # shared memory), three at K = 128.
     scan_stages = lambda m: re.findall(r'name = "_scan_kernel", num_stages = (\d+)', m)

@@ -15,9 +15,8 @@ Stage 1, ``prep_body`` (token-parallel, one program per (chunk, value head)):
   The GPU stage 1 (:func:`gpu_prep_call`) computes the same without serial row picks, as
   kernels: per 16-row sub-chunk (:func:`_rows_body`, one warp: anchored 16 x 16 block products,
   diagonal block included while the gate span allows, exact pairwise differences beyond it),
-  per chunk the diagonal blocks' inverses by forward substitution over rows
-  (:func:`_diagonal_inverse_body`), the inverse by forward substitution over 16 x 16 blocks
-  (:func:`_inverse_body`, one warp), then W, U.
+  per chunk the inverse (:func:`_inverse_body`, one warp: the diagonal blocks' inverses, then
+  forward substitution over 16 x 16 blocks), then W, U.
 Stage 2, ``chunk_step`` (the recurrence, one chunk; the TPU kernel): with S [K, BV] float32,
   V_new = U - W S;  O = qg S + Aqk V_new;  S' = decay * S + kd^T V_new. The GPU kernels
   (``prefill_gpu``, ``prefill_mgpu``) loop over a sequence's chunks with S in registers.
@@ -198,8 +197,8 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, 
     only in sub-chunks that need it). The choice depends on the row's own gates only, so future
     tokens never change a row's bits. ``bounded`` (gates >= -5: spans <= 75, finite): no fallback.
     Entries right of the causal diagonal are selected away (they may overflow). Writes
-    ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal) and ``N [16, C]`` (beta Akk, strictly lower);
-    :func:`diagonal_inverse_call` inverts N's diagonal blocks.
+    ``qg [16, K]``, ``Aqk [16, C]`` (scaled, causal) and ``N [16, C]`` (beta Akk, strictly lower)
+    for kernel B.
     """
     C, K = k_ref.shape
     kb = min(k_block, K)
@@ -263,56 +262,28 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, 
     qg_ref[...] = (scale * q_ref[rows, :].astype(_F32) * _exp(G_ref[rows, :])).astype(qg_ref.dtype)
 
 
-def _diagonal_inverse_body(n_ref, xd_ref):
-    """``(I + D)^-1`` of a chunk's C / 16 diagonal 16 x 16 blocks ``D`` (strictly lower; N's other
-    entries do not enter) at once, by forward substitution over their rows, ``X_i = e_i - sum_{j < i}
-    D_ij X_j``: row ``i`` of every block is one ``[blocks, 16]`` tile (a lane per column of X) and
-    ``D_ij`` of every block one strided load from the flattened ``[C, C]`` tile. IEEE float32
-    multiply-adds; no tensor-core products."""
-    C = xd_ref.shape[0]
-    nb = C // SUB
-    lane = _iota((nb, SUB), 1)
-    X = []
-    for i in range(SUB):
-        x = jnp.where(lane == i, 1.0, 0.0).astype(_F32)
-        for j in range(i):
-            x = x - n_ref[pl.ds(i * C + j, nb, stride=SUB * C + SUB)][:, None] * X[j]  # (16 b + i, 16 b + j)
-        X.append(x)
-        xd_ref[pl.ds(i, nb, stride=SUB), :] = x
-
-
-def diagonal_inverse_call(N, *, compiler_params=None, interpret=False):
-    """The inverses of ``I +`` the 16 x 16 diagonal blocks of ``N [HV, TT, C]`` (strictly lower
-    inside each block), one chunk per program: ``Xd [HV, TT, 16]``, for kernel B. On the H200 at
-    B1 T131k H12 this took 87 us on two warps (one warp 112, four 138); block doubling (16 x 16
-    products), one block per program, took 303 and a forward substitution one block per
-    program 182 (2026-12-03)."""
-    HV, TT, C = N.shape
-    NC = TT // C
-    return pl.pallas_call(
-        _diagonal_inverse_body,
-        grid=(NC, HV),
-        in_specs=[pl.BlockSpec((None, None, C * C), lambda c, h: (h, c, 0))],
-        out_specs=pl.BlockSpec((None, C, SUB), lambda c, h: (h, c, 0)),
-        out_shape=jax.ShapeDtypeStruct((HV, TT, SUB), _F32),
-        compiler_params=compiler_params,
-        interpret=interpret,
-    )(N.reshape(HV, NC, C * C))
-
-
-def _inverse_body(n_ref, xd_ref, x_ref, *, precision):
-    """GPU stage 1, kernel B: one chunk's ``X = (I + N)^-1`` from kernel A's pieces (``N`` strictly
-    lower, beta Akk, its diagonal blocks not read; ``Xd [C, 16]`` the diagonal blocks' inverses), by
-    forward substitution over 16 x 16 blocks: ``X_ij = -X_ii sum_{j <= m < i} N_im X_mj``, exact
-    elimination (no series). Blocks are read and written through static ref slices, so every
-    product is ``[16, 16] x [16, 16]``.
+def _inverse_body(n_ref, x_ref, *, precision):
+    """GPU stage 1, kernel B: one chunk's ``X = (I + N)^-1`` from kernel A's ``N`` (beta Akk,
+    strictly lower; entries on or above the diagonal are not read). First each 16 x 16 diagonal
+    block's inverse, by column-oriented forward substitution in IEEE float32 (each column of the
+    block one ``[16, 1]`` load, the four blocks' steps interleaved), then forward substitution over
+    16 x 16 blocks: ``X_ij = -X_ii sum_{j <= m < i} N_im X_mj``, exact elimination (no series).
+    Blocks are read and written through static ref slices, so every product is
+    ``[16, 16] x [16, 16]``. On the H200 at B1 T131k H12 (2026-12-03) this took 292 us where the
+    diagonal inverses as their own kernel (two warps, row-oriented, strided loads) and this kernel
+    reading them took 88 + 299.
     """
     nb = n_ref.shape[0] // SUB
     blk = lambda i: pl.ds(i * SUB, SUB)
+    rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+    below = _iota((SUB, 1), 0)
+    X = {(i, i): jnp.where(rows == cols, 1.0, 0.0).astype(_F32) for i in range(nb)}
+    for j in range(SUB):
+        for i in range(nb):
+            col = jnp.where(below > j, n_ref[blk(i), pl.ds(i * SUB + j, 1)], 0.0)  # D_ii[:, j] below j
+            X[i, i] = X[i, i] - col * _pick_row(X[i, i], j)
     zero = jnp.zeros((SUB, SUB), _F32)
-    X = {}
     for i in range(nb):
-        X[i, i] = xd_ref[blk(i), :]
         N = [n_ref[blk(i), blk(m)] for m in range(i)]
         for j in range(i):
             acc = zero
@@ -372,12 +343,11 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
                   compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None,
-                  diagonal_compiler_params=None, interpret=False, rows_call=None, wu_call=None):
+                  interpret=False, rows_call=None, wu_call=None):
     """GPU stage 1 as kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk and N's rows (strictly lower, beta Akk);
-    :func:`diagonal_inverse_call` inverts N's 16 x 16 diagonal blocks;
-    kernel B over ``(chunk, head)`` forms the chunk's inverse ``X`` (float32, ``[HV, TT, C]``);
+    kernel B over ``(chunk, head)`` (:func:`_inverse_body`) forms the chunk's inverse ``X`` (float32, ``[HV, TT, C]``);
     kernel C over ``(chunk, head)`` writes W, U, kd^T, decay.
     Token-major inputs ``q, k [TT, H, K]``, ``v [TT, HV, V]``, ``g [TT, HV, K]``,
     ``beta [TT, HV, 1]``; outputs as :func:`prep_call`. ``inv_precision`` is for kernel B's
@@ -391,7 +361,7 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     flat at B1 T131k H12 with K3 gates 2106 us in 2 stages, 2423 in 3),
     ``compiler_params`` the other kernels' (kernel C's slice loops in 2 stages took 1158 us at
     B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
-    1529), ``diagonal_compiler_params`` the diagonal inverses'. ``rows_call``: another kernel A,
+    1529). ``rows_call``: another kernel A,
     ``rows_call(q, k, G, beta) -> (qg, Aqk, N)``, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`;
     ``wu_call``: another kernel C, ``wu_call(k, v, G, beta, X) -> (kd^T, W, U, decay)``, e.g.
     :func:`pallas_kernels.kda.wu_mgpu.wu_call`.
@@ -415,17 +385,16 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
         )(q, k, g, G, beta)
     else:
         qg, aqk, N = rows_call(q, k, G, beta)
-    Xd = diagonal_inverse_call(N, compiler_params=diagonal_compiler_params, interpret=interpret)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     X = pl.pallas_call(
         partial(_inverse_body, precision=inv_precision),
         grid=(NC, HV),
-        in_specs=[rows(C), rows(SUB)],
+        in_specs=[rows(C)],
         out_specs=rows(C),
         out_shape=f32(HV, TT, C),
         compiler_params=inverse_compiler_params,
         interpret=interpret,
-    )(N, Xd)
+    )(N)
     if wu_call is not None:
         kdT, W, U, decay = wu_call(k, v, G, beta, X)
         return qg, kdT, W, U, aqk, decay

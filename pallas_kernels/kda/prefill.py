@@ -193,7 +193,7 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
                          bounded=bounded, rows_call=rows, wu_call=wu,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=params(num_warps, 2), rows_compiler_params=params(1, 2),
-                         inverse_compiler_params=params(1, 1), diagonal_compiler_params=params(2, 1))
+                         inverse_compiler_params=params(1, 1))
 
 
 def default_recurrence(K, V, chunk_size, store_dtype, block_v=None):
@@ -293,8 +293,7 @@ def chunk_kda(
         shapes timed (e.g. B8 T4k H32 3.65 against 3.92 ms).
       prep_kernel: GPU: stage 1's kernel A (Aqk, Akk, qg), "triton" or "mosaic_gpu"
         (:mod:`pallas_kernels.kda.prep_mgpu`: TF32 WGMMA products; needs ``gate_lower_bound``,
-        chunk 64, K in (64, 128) and 16-bit inputs; its diagonal blocks' inverses then run as a
-        Triton kernel of their own). None: Mosaic GPU where it applies, else Triton. The gate
+        chunk 64, K in (64, 128) and 16-bit inputs). None: Mosaic GPU where it applies, else Triton. The gate
         cumsum and the inverse stay on Triton. Kernel time, K3 gates (2026-12-02): on the
         H200 it took 1.42 ms against the Triton kernel A's 2.10 at B1 T131k H12 (the whole call
         4.94 against 5.25 ms when it took 1.49; 1.14 ms on 2026-12-03); on an H100 the whole call was 8-10% faster at

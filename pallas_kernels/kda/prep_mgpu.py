@@ -23,7 +23,7 @@ on rows that are dropped. Each result, block column ``i`` of ``Aqk^T`` and ``Akk
 rows ``16 i ..`` of the output tiles by a transposed store: a register relayout to the
 transposed WGMMA layout (a lane shuffle), then a store through the transposed view of a plain
 shared memory tile. Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictly lower, its
-diagonal blocks included: a Triton kernel inverts those (``_chunk.diagonal_inverse_call``).
+diagonal blocks included, for the Triton kernel B (``_chunk._inverse_body``).
 
 The products and the output tiles are two scopes in turn over one shared memory region (86 KB
 per warpgroup at K = 128 with bf16 outputs), so two CTAs share an SM (255 registers, which also

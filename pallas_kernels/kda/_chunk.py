@@ -343,7 +343,7 @@ def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
                   compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None,
-                  interpret=False, rows_call=None, wu_call=None):
+                  interpret=False, rows_call=None, rows_if=None, wu_call=None):
     """GPU stage 1 as kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk and N's rows (strictly lower, beta Akk);
@@ -363,6 +363,8 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
     1529). ``rows_call``: another kernel A,
     ``rows_call(q, k, G, beta) -> (qg, Aqk, N)``, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`;
+    ``rows_if``: a predicate of ``G`` (a boolean scalar) under which ``rows_call`` runs, the Triton
+    kernel A otherwise (``lax.cond``), e.g. :func:`pallas_kernels.kda.prep_mgpu.spans_within`;
     ``wu_call``: another kernel C, ``wu_call(k, v, G, beta, X) -> (kd^T, W, U, decay)``, e.g.
     :func:`pallas_kernels.kda.wu_mgpu.wu_call`.
     """
@@ -373,18 +375,21 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
+    triton_rows = lambda: tuple(pl.pallas_call(
+        partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
+        grid=(NC, HV, ns),
+        in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
+        out_specs=[sub_rows(K), sub_rows(C), sub_rows(C)],
+        out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C)],
+        compiler_params=rows_compiler_params,
+        interpret=interpret,
+    )(q, k, g, G, beta))
     if rows_call is None:
-        qg, aqk, N = pl.pallas_call(
-            partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
-            grid=(NC, HV, ns),
-            in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
-            out_specs=[sub_rows(K), sub_rows(C), sub_rows(C)],
-            out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C)],
-            compiler_params=rows_compiler_params,
-            interpret=interpret,
-        )(q, k, g, G, beta)
-    else:
+        qg, aqk, N = triton_rows()
+    elif rows_if is None:
         qg, aqk, N = rows_call(q, k, G, beta)
+    else:
+        qg, aqk, N = jax.lax.cond(rows_if(G), lambda: tuple(rows_call(q, k, G, beta)), triton_rows)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     X = pl.pallas_call(
         partial(_inverse_body, precision=inv_precision),

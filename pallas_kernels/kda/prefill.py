@@ -180,17 +180,19 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
              interpret=False, kernel="triton", wu_kernel="triton"):
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
     ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting.
-    ``kernel="mosaic_gpu"``: kernel A in Mosaic GPU (:mod:`pallas_kernels.kda.prep_mgpu`);
+    ``kernel="mosaic_gpu"``: kernel A in Mosaic GPU (:mod:`pallas_kernels.kda.prep_mgpu`; for
+    unbounded gates only where :func:`~pallas_kernels.kda.prep_mgpu.spans_within` holds, else Triton's);
     ``wu_kernel="mosaic_gpu"``: kernel C (:mod:`pallas_kernels.kda.wu_mgpu`)."""
     hi = jax.lax.Precision.HIGHEST
     params = lambda warps, stages: None if interpret else prefill_gpu.params(warps, stages)
-    rows = wu = None
+    rows = rows_if = wu = None
     if kernel == "mosaic_gpu":
         rows = partial(prep_mgpu.rows_call, scale=scale, store_dtype=store_dtype, interpret=bool(interpret))
+        rows_if = None if bounded else prep_mgpu.spans_within
     if wu_kernel == "mosaic_gpu":
         wu = partial(wu_mgpu.wu_call, store_dtype=store_dtype, interpret=bool(interpret))
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
-                         bounded=bounded, rows_call=rows, wu_call=wu,
+                         bounded=bounded, rows_call=rows, rows_if=rows_if, wu_call=wu,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=params(num_warps, 2), rows_compiler_params=params(1, 2),
                          inverse_compiler_params=params(1, 1))
@@ -292,8 +294,11 @@ def chunk_kda(
         whole call) the Mosaic recurrence made the prefill 3-7% faster at the five benchmark
         shapes timed (e.g. B8 T4k H32 3.65 against 3.92 ms).
       prep_kernel: GPU: stage 1's kernel A (Aqk, Akk, qg), "triton" or "mosaic_gpu"
-        (:mod:`pallas_kernels.kda.prep_mgpu`: TF32 WGMMA products; needs ``gate_lower_bound``,
-        chunk 64, K in (64, 128) and 16-bit inputs). None: Mosaic GPU where it applies, else Triton. The gate
+        (:mod:`pallas_kernels.kda.prep_mgpu`: TF32 WGMMA products; needs chunk 64, K in (64, 128)
+        and 16-bit inputs; without ``gate_lower_bound`` it runs under ``lax.cond`` only when every
+        16-token sub-chunk's gate span is within 75 nats, checked on the device per call, and the
+        Triton kernel A otherwise). None: Mosaic GPU where it applies and ``gate_lower_bound`` is
+        given, else Triton (the checked form is not yet compiled or timed on a GPU). The gate
         cumsum and the inverse stay on Triton. Kernel time, K3 gates (2026-12-02): on the
         H200 it took 1.42 ms against the Triton kernel A's 2.10 at B1 T131k H12 (the whole call
         4.94 against 5.25 ms when it took 1.49; 1.14 ms on 2026-12-03); on an H100 the whole call was 8-10% faster at
@@ -333,12 +338,11 @@ def chunk_kda(
         requirement="the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, chunk_size 64, "
                     f"K in (64, 128) and V a multiple of 64; got backend {kind}, {store.name} intermediates, "
                     f"chunk_size {chunk_size}, K={K}, V={V}")
+    mosaic_a = kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype)
     prep_kernel = _kernel_choice(
-        "prep_kernel", prep_kernel,
-        kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype, gate_lower_bound is not None),
-        requirement="the Mosaic GPU kernel A runs on the GPU backend with gate_lower_bound set, chunk_size 64, "
-                    f"K in (64, 128) and 16-bit inputs; got backend {kind}, gate_lower_bound {gate_lower_bound}, "
-                    f"chunk_size {chunk_size}, K={K}, {q.dtype}")
+        "prep_kernel", prep_kernel, mosaic_a, default=mosaic_a and gate_lower_bound is not None,
+        requirement="the Mosaic GPU kernel A runs on the GPU backend with chunk_size 64, K in (64, 128) and "
+                    f"16-bit inputs; got backend {kind}, chunk_size {chunk_size}, K={K}, {q.dtype}")
     wu_kernel = _kernel_choice(
         "wu_kernel", wu_kernel, kind == "gpu" and wu_mgpu.supported(K, V, chunk_size, k.dtype, v.dtype),
         requirement="the Mosaic GPU kernel C runs on the GPU backend with chunk_size 64, K and V multiples of 32 "

@@ -43,8 +43,12 @@ G comes from the cumsum kernel. Forming it in here (three tries, the last on 202
 bf16 pieces on the tensor cores: 1.64 against 1.28 ms, the whole call 4.51 against 4.29) costs
 this one-warpgroup kernel more than the G round trip saves (docs/benchmarks.md).
 
-Unbounded gates need the Triton kernel A's per-row span test and exact fallback; that stays on
-Triton.
+Those ranges hold whenever every sub-chunk's gate span (its first row's G minus its last row's,
+per head and channel) is at most ``SPAN`` = 75 nats, which gates of at least -5 guarantee. For
+unbounded gates :func:`spans_within` checks that on the device, and ``chunk_kda`` then runs this
+kernel under ``lax.cond``, the Triton kernel A (its per-row span test and exact fallback) where a
+span is wider. Columns carried past a much steeper gate underflow to zero, as their true terms
+(below ``e^-87`` relative) do.
 """
 
 from __future__ import annotations
@@ -75,10 +79,22 @@ SLOTS = 3
 WGS = 1
 
 
-def supported(K, chunk_size, dtype, bounded) -> bool:
-    """Whether :func:`rows_call` takes these: bounded gates, chunk 64, K in {64, 128},
-    16-bit inputs (TF32 products are the Triton path's precision for those only)."""
-    return bounded and chunk_size == C and K in (64, 128) and jnp.dtype(dtype).itemsize == 2
+SPAN = 75.0  # nats: 15 steps of the -5 gate bound
+
+
+def supported(K, chunk_size, dtype) -> bool:
+    """Whether :func:`rows_call` takes these shapes: chunk 64, K in {64, 128}, 16-bit inputs (TF32
+    products are the Triton path's precision for those only). The gates must also keep every
+    sub-chunk's span within ``SPAN`` (:func:`spans_within`)."""
+    return chunk_size == C and K in (64, 128) and jnp.dtype(dtype).itemsize == 2
+
+
+def spans_within(G):
+    """Whether every 16-row sub-chunk of the chunk-local gate cumsum ``G [TT, HV, K]`` spans at most
+    ``SPAN`` nats (gates are log decays, <= 0, so the span is the first row's G minus the last's):
+    a boolean scalar on the device. Reads two rows of every 16; NaN gates give False."""
+    Gs = G.reshape(-1, SUB, *G.shape[1:])
+    return jnp.max(Gs[:, 0] - Gs[:, SUB - 1]) <= SPAN
 
 
 def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep):
@@ -207,14 +223,14 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
 
 def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):
     """Token-major ``q, k [TT, H, K]`` (16-bit), ``G [TT, HV, K]`` float32 (the chunk-local gate
-    cumsum), ``beta [TT, HV, 1]``; every gate at least -5. Returns ``qg [HV, TT, K]`` and
+    cumsum), ``beta [TT, HV, 1]``; every sub-chunk's span within ``SPAN`` (gates >= -5 give that). Returns ``qg [HV, TT, K]`` and
     ``Aqk [HV, TT, C]`` in ``store_dtype`` and ``N [HV, TT, C]`` float32 (see the module).
     ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs it in the Mosaic GPU interpreter."""
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     TT, H, K = q.shape
     HV = G.shape[1]
-    if not supported(K, C, q.dtype, True) or TT % C:
+    if not supported(K, C, q.dtype) or TT % C:
         raise ValueError(f"the Mosaic GPU kernel A takes chunk {C}, K in (64, 128) and 16-bit q, k; got "
                          f"K={K}, {q.dtype}, {TT} tokens")
     out = (jax.ShapeDtypeStruct((HV, TT, K), store_dtype), jax.ShapeDtypeStruct((HV, TT, C), store_dtype),

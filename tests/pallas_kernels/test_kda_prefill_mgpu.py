@@ -280,6 +280,40 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
                                       gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence, **gpu_run)
 
 
+def test_spans_within():
+    """The sub-chunk span test: a span of exactly 75 nats passes, 75.5 does not; a NaN in a
+    sub-chunk's last row of G fails."""
+    G = jnp.zeros((128, 2, 64), jnp.float32).at[16:32, 1, 5].set(-jnp.linspace(0.0, 75.0, 16))
+    assert bool(prep_mgpu.spans_within(G))
+    assert not bool(prep_mgpu.spans_within(G.at[31, 1, 5].set(-75.5)))
+    assert not bool(prep_mgpu.spans_within(G.at[47, 0, 0].set(jnp.nan)))  # a cumsum carries it to row 47
+
+
+def test_mosaic_kernel_a_for_unbounded_gates(gpu_run):
+    """``prep_kernel="mosaic_gpu"`` without ``gate_lower_bound`` (Kimi Linear gates, below -5 here),
+    decided per call on the device: where every sub-chunk's span is within 75 nats the Mosaic GPU
+    kernel A runs (the bits of the call that promises the bound, which only makes stage 1 take it
+    unchecked), where one is steeper the Triton kernel A with its exact fallback (its bits); both
+    within bf16 tolerance of the references (varlen, GVA, initial states, checkpoints, 2 segments);
+    it lowers for the H200 with both kernels A in the program."""
+    cu = jnp.array([0, 60, 160], jnp.int32)
+    h0 = random_state(9, (2, 2, 64, 64))
+    run = partial(prefill.chunk_kda, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2, **gpu_run)
+    for gate_scale, twin in ((1.0, dict(prep_kernel="mosaic_gpu", gate_lower_bound=-5.0)),
+                             (30.0, dict(prep_kernel="triton"))):
+        x = kda_inputs(9, 1, 160, 1, 2, 64, 64, dtype=jnp.bfloat16, gate_scale=gate_scale)
+        assert float(x[3].min()) < -5.0
+        got = run(*x, prep_kernel="mosaic_gpu")
+        for a, b in zip(got, run(*x, **twin)):
+            assert bool(jnp.array_equal(a, b)), gate_scale
+        o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
+        _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
+        for a, b in zip(got, (o_r, s_r, ck_r)):
+            assert_close(a, b, "bf16")
+    module = _export("gpu", "cuda", H200, prep_kernel="mosaic_gpu")
+    assert module.count("mosaic_gpu_v2") == 4 and module.count("xla.gpu.triton") == 4
+
+
 def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
     """``chunk_kda(wu_kernel="mosaic_gpu")`` beside the Mosaic GPU kernel A, at the gate bound:
     varlen, GVA, initial states, 64-token checkpoints, 2 segments; against the references within
@@ -333,8 +367,6 @@ def test_bad_arguments_are_rejected():
         prefill.chunk_kda(*x, backend="tpu", recurrence="mosaic_gpu")
     with pytest.raises(ValueError, match="prep_kernel must be"):
         run(prep_kernel="mosaic")
-    with pytest.raises(ValueError, match="gate_lower_bound set"):
-        run(prep_kernel="mosaic_gpu")  # unbounded gates need the Triton kernel A's span test
     with pytest.raises(ValueError, match="16-bit inputs"):
         prefill.chunk_kda(*kda_inputs(7, 1, 64, 1, 1, 64, 64), backend="gpu", interpret=True, gate_lower_bound=-5.0,
                           prep_kernel="mosaic_gpu")

@@ -51,7 +51,7 @@ def main():
     ap.add_argument("--segments", default="", help="comma-separated segment counts (default: the planner's)")
     ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
     ap.add_argument("--prep-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; "
-                    "mosaic_gpu needs --k3-gates)")
+                    "without --k3-gates mosaic_gpu runs where the sub-chunk gate spans allow, checked per call)")
     ap.add_argument("--wu-kernel", default="auto",
                     help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (stage 1's kernel C)")
     ap.add_argument("--mgpu-a", default="",

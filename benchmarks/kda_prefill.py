@@ -29,7 +29,7 @@ from benchmarks.common import (device_seconds, kda_prefill_hw, rel_rms, time_bac
 from benchmarks.kda_reference import inputs
 from benchmarks.kernel_profile import fla_kernel_seconds
 from k3jax.ops.kda import naive_recurrent_kda
-from pallas_kernels.kda import prefill, prep_mgpu, wu_mgpu
+from pallas_kernels.kda import prefill, wu_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION
 
 SHAPES = [(1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32), (1, 131072, 4), (1, 131072, 12)]
@@ -120,7 +120,7 @@ def main():
         t_prep = {}
         for p, cfg, pp, im, dg, rc, pk in sweep:
             if pk == "auto":  # chunk_kda's choice on the GPU
-                pk = "mosaic_gpu" if dg == "bounded" and prep_mgpu.supported(128, 64, xs[0][0].dtype) else "triton"
+                pk = prefill.default_prep_kernel(128, 64, xs[0][0].dtype, dg == "bounded")
             plan = planned(cfg, im, rc)
             P = plan if p == "plan" else int(p)
             pw = cfg["prep_num_warps"]

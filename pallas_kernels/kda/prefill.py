@@ -198,6 +198,13 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
                          inverse_compiler_params=params(1, 1))
 
 
+def default_prep_kernel(K, chunk_size, dtype, bounded):
+    """Stage 1's kernel A :func:`chunk_kda` runs on the GPU when ``prep_kernel`` is None: Mosaic
+    GPU where it applies (:func:`pallas_kernels.kda.prep_mgpu.supported`) and the gates are
+    bounded (``gate_lower_bound`` given), else Triton."""
+    return "mosaic_gpu" if bounded and prep_mgpu.supported(K, chunk_size, dtype) else "triton"
+
+
 def default_recurrence(K, V, chunk_size, store_dtype, block_v=None):
     """The GPU recurrent kernel :func:`chunk_kda` runs when ``recurrence`` is None: Mosaic GPU where
     it applies (:func:`pallas_kernels.kda.prefill_mgpu.supported`) and no Triton ``block_v`` is
@@ -338,9 +345,10 @@ def chunk_kda(
         requirement="the Mosaic GPU recurrence runs on the GPU backend with bfloat16 intermediates, chunk_size 64, "
                     f"K in (64, 128) and V a multiple of 64; got backend {kind}, {store.name} intermediates, "
                     f"chunk_size {chunk_size}, K={K}, V={V}")
-    mosaic_a = kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype)
     prep_kernel = _kernel_choice(
-        "prep_kernel", prep_kernel, mosaic_a, default=mosaic_a and gate_lower_bound is not None,
+        "prep_kernel", prep_kernel, kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype),
+        default=kind == "gpu"
+        and default_prep_kernel(K, chunk_size, q.dtype, gate_lower_bound is not None) == "mosaic_gpu",
         requirement="the Mosaic GPU kernel A runs on the GPU backend with chunk_size 64, K in (64, 128) and "
                     f"16-bit inputs; got backend {kind}, chunk_size {chunk_size}, K={K}, {q.dtype}")
     wu_kernel = _kernel_choice(

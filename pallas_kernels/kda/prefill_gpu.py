@@ -125,7 +125,6 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
     return outs[0] if summary else tuple(outs)
 
 
-
 def _fold_kernel(me_ref, init_ref, out_ref, *, P: int, BV: int, KB: int, precision):
     n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K = me_ref.shape[2]

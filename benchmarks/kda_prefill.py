@@ -29,7 +29,7 @@ from benchmarks.common import (device_seconds, kda_prefill_hw, rel_rms, time_bac
 from benchmarks.kda_reference import inputs
 from benchmarks.kernel_profile import fla_kernel_seconds
 from k3jax.ops.kda import naive_recurrent_kda
-from pallas_kernels.kda import prefill, wu_mgpu
+from pallas_kernels.kda import prefill, prep_mgpu, wu_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION
 
 SHAPES = [(1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32), (1, 131072, 4), (1, 131072, 12)]
@@ -73,7 +73,7 @@ def main():
                     help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (the recurrent stage's kernel; "
                          "mosaic_gpu needs bf16 intermediates)")
     ap.add_argument("--prep-kernel", default="auto",
-                    help="comma list: auto (chunk_kda's choice: mosaic_gpu for bounded gates), triton and/or mosaic_gpu "
+                    help="comma list: auto (chunk_kda's choice: mosaic_gpu where it applies), triton and/or mosaic_gpu "
                          "(stage 1's kernel A; with --diag exact mosaic_gpu runs where every 16-token sub-chunk's "
                          "gate span is within 75 nats, checked per call, else Triton's)")
     ap.add_argument("--json", default="kda_prefill.json", help="the file under $OUT the rows go to")
@@ -120,7 +120,7 @@ def main():
         t_prep = {}
         for p, cfg, pp, im, dg, rc, pk in sweep:
             if pk == "auto":  # chunk_kda's choice on the GPU
-                pk = prefill.default_prep_kernel(128, 64, xs[0][0].dtype, dg == "bounded")
+                pk = "mosaic_gpu" if prep_mgpu.supported(128, 64, xs[0][0].dtype) else "triton"
             plan = planned(cfg, im, rc)
             P = plan if p == "plan" else int(p)
             pw = cfg["prep_num_warps"]

@@ -181,7 +181,7 @@ _SPAN_SAFE = 60.0
 
 
 def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, precision,
-               bounded=False, k_piece=16, k_block=64):
+               bounded=False, k_piece=16, k_block=64, i=None):
     """GPU stage 1, kernel A: one 16-row sub-chunk ``i`` (``program_id(2)``) of one chunk and head.
 
     Inputs are the chunk's ``[C, K]`` tiles (``G`` its gate cumsum). Per causal ``16 x 16`` block
@@ -202,7 +202,7 @@ def _rows_body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, 
     """
     C, K = k_ref.shape
     kb = min(k_block, K)
-    i = pl.program_id(2)
+    i = pl.program_id(2) if i is None else i
     block = lambda j: pl.ds(pl.multiple_of(j * SUB, SUB), SUB)  # the j-th 16-row / 16-column block
     rows = block(i)
     start = rows.start
@@ -323,27 +323,53 @@ def _wu_body(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_
     jax.lax.fori_loop(0, V // vb, v_slice, 0)
 
 
-def _cumsum_body(g_ref, G_ref):
-    G_ref[...] = jnp.cumsum(g_ref[...].astype(_F32), axis=0)
+def _rows_where(body, wide_ref, q_ref, k_ref, g_ref, G_ref, beta_ref, _qg, _aqk, _n, qg_ref, aqk_ref, n_ref):
+    """``body`` (:func:`_rows_body`) where the chunk's flag ``wide_ref`` is set; the outputs keep
+    what they hold (aliased to the inputs ``_qg, _aqk, _n``) elsewhere. The sub-chunk index is
+    read out here: the generic interpreter does not take ``program_id`` inside ``pl.when``."""
+    i = pl.program_id(2)
+    pl.when(wide_ref[...] != 0)(lambda: body(q_ref, k_ref, g_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, i=i))
 
 
-def gate_cumsum_call(g, *, C, compiler_params=None, interpret=False):
+def _cumsum_body(g_ref, G_ref, *wide_ref, span=None):
+    G = jnp.cumsum(g_ref[...].astype(_F32), axis=0)
+    G_ref[...] = G
+    if span is not None:
+        C, K = G.shape
+        G3 = G.reshape(C // SUB, SUB, K)
+        # Triton's max and min skip NaN, so NaN is looked for apart. One axis per reduction: the
+        # Triton lowering of a reduction over two fails under an explicit mesh (jax 0.11.2).
+        any_ = lambda x: jnp.max(jnp.max(jnp.where(x, 1, 0), axis=1), axis=0)
+        wide = jnp.max(G3, axis=1) - jnp.min(G3, axis=1) > span
+        wide_ref[0][...] = jnp.maximum(any_(wide), any_(G != G))
+
+
+def gate_cumsum_call(g, *, C, span=None, compiler_params=None, interpret=False):
     """The chunk-local gate cumsum of token-major ``g [TT, HV, K]``, one program per (chunk, head):
     float32 ``G [TT, HV, K]``. At T = 32768, H = 32 on the H200 it takes 0.28 ms, where XLA's
     cumsum (a slice and an add fusion) took 0.77 ms. The grid runs the heads fastest, so the
     programs running at once read whole token rows: 3-4% faster than chunks fastest (420 against
     437 us at B1 T131k H12, 280 against 293 at T32k H32, 2026-12-03); the same order made kernel
-    A (Triton) 2% and kernel C 0.5% slower, so they keep theirs."""
+    A (Triton) 2% and kernel C 0.5% slower, so they keep theirs.
+
+    ``span`` (nats): also return int32 ``wide [HV, TT // C]``, 1 where a 16-row sub-chunk of the
+    chunk spans more than ``span`` in some channel (its largest G minus its smallest) or holds a
+    NaN, else 0. A check by XLA reading two rows of every 16 of G took 36 us at B1 T131k H12 on
+    the H200 (2026-12-03); in here the whole call took the same time as with it (3.77 ms)."""
     TT, HV, K = g.shape
     spec = pl.BlockSpec((C, None, K), lambda h, c: (c, h, 0))
-    return pl.pallas_call(_cumsum_body, grid=(HV, TT // C), in_specs=[spec], out_specs=spec,
-                          out_shape=jax.ShapeDtypeStruct((TT, HV, K), _F32), compiler_params=compiler_params,
+    out_specs, out_shape = spec, jax.ShapeDtypeStruct((TT, HV, K), _F32)
+    if span is not None:
+        out_specs = [spec, pl.BlockSpec((None, None), lambda h, c: (h, c))]
+        out_shape = [out_shape, jax.ShapeDtypeStruct((HV, TT // C), jnp.int32)]
+    return pl.pallas_call(partial(_cumsum_body, span=span), grid=(HV, TT // C), in_specs=[spec],
+                          out_specs=out_specs, out_shape=out_shape, compiler_params=compiler_params,
                           interpret=interpret)(g)
 
 
 def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store_dtype=_F32, bounded=False,
                   compiler_params=None, rows_compiler_params=None, inverse_compiler_params=None,
-                  interpret=False, rows_call=None, rows_if=None, wu_call=None):
+                  interpret=False, rows_call=None, rows_span=None, wu_call=None):
     """GPU stage 1 as kernels of small programs (many per SM; one fused kernel per chunk was
     1.6x slower on the H200) after the chunk-local gate cumsum (:func:`gate_cumsum_call`); kernel A
     over ``(chunk, head, sub-chunk)`` writes qg, Aqk and N's rows (strictly lower, beta Akk);
@@ -363,33 +389,44 @@ def gpu_prep_call(q, k, v, g, beta, *, C, scale, precision, inv_precision, store
     B1 T131k H12 with K3 gates on the H200, 1 stage 1201, 3 stages 1314; 2 warps 1179, 8 warps
     1529). ``rows_call``: another kernel A,
     ``rows_call(q, k, G, beta) -> (qg, Aqk, N)``, e.g. :func:`pallas_kernels.kda.prep_mgpu.rows_call`;
-    ``rows_if``: a predicate of ``G`` (a boolean scalar) under which ``rows_call`` runs, the Triton
-    kernel A otherwise (``lax.cond``), e.g. :func:`pallas_kernels.kda.prep_mgpu.spans_within`;
+    ``rows_span``: keep ``rows_call``'s rows only in chunks whose 16-row sub-chunks all span
+    at most this many nats (checked by the cumsum kernel); the Triton kernel A redoes the other
+    chunks. E.g. :data:`pallas_kernels.kda.prep_mgpu.SPAN`;
     ``wu_call``: another kernel C, ``wu_call(k, v, G, beta, X) -> (kd^T, W, U, decay)``, e.g.
     :func:`pallas_kernels.kda.wu_mgpu.wu_call`.
     """
     (TT, H, K), (_, HV, V) = k.shape, v.shape
     rep, NC, ns = HV // H, TT // C, C // SUB
-    G = gate_cumsum_call(g, C=C, compiler_params=compiler_params, interpret=interpret)
+    checked = rows_call is not None and rows_span is not None
+    G = gate_cumsum_call(g, C=C, span=rows_span if checked else None, compiler_params=compiler_params,
+                         interpret=interpret)
+    if checked:
+        G, wide = G
     tok = lambda width, qk: pl.BlockSpec((C, None, width), lambda c, h, *_: (c, h // rep if qk else h, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, _F32)
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
     sub_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda c, h, i: (h, c * ns + i, 0))
-    triton_rows = lambda: tuple(pl.pallas_call(
-        partial(_rows_body, scale=scale, precision=precision, bounded=bounded),
-        grid=(NC, HV, ns),
-        in_specs=[tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)],
-        out_specs=[sub_rows(K), sub_rows(C), sub_rows(C)],
+    in_specs = [tok(K, True), tok(K, True), tok(K, False), tok(K, False), tok(1, False)]
+    out_specs = [sub_rows(K), sub_rows(C), sub_rows(C)]
+    triton_rows = partial(
+        pl.pallas_call, grid=(NC, HV, ns), out_specs=out_specs,
         out_shape=[st(HV, TT, K), st(HV, TT, C), f32(HV, TT, C)],
-        compiler_params=rows_compiler_params,
-        interpret=interpret,
-    )(q, k, g, G, beta))
+        compiler_params=rows_compiler_params, interpret=interpret)
+    body = partial(_rows_body, scale=scale, precision=precision, bounded=bounded)
     if rows_call is None:
-        qg, aqk, N = triton_rows()
-    elif rows_if is None:
-        qg, aqk, N = rows_call(q, k, G, beta)
+        qg, aqk, N = triton_rows(body, in_specs=in_specs)(q, k, g, G, beta)
+    elif checked:
+        # The Triton kernel A redoes the chunks too steep for rows_call, in place; its other
+        # programs return at once. Launched only if a chunk is flagged: launched always, the
+        # whole call took 3.84 against 3.77 ms at B1 T131k H12 on the H200 (2026-12-04).
+        flag = pl.BlockSpec((None, None), lambda c, h, i: (h, c))
+        redo = triton_rows(partial(_rows_where, body), in_specs=[flag, *in_specs, *out_specs],
+                           input_output_aliases={6: 0, 7: 1, 8: 2})
+        fast = tuple(rows_call(q, k, G, beta))
+        qg, aqk, N = jax.lax.cond(jnp.max(wide) > 0, lambda: tuple(redo(wide, q, k, g, G, beta, *fast)),
+                                  lambda: fast)
     else:
-        qg, aqk, N = jax.lax.cond(rows_if(G), lambda: tuple(rows_call(q, k, G, beta)), triton_rows)
+        qg, aqk, N = rows_call(q, k, G, beta)
     rows = lambda width: pl.BlockSpec((None, C, width), lambda c, h: (h, c, 0))
     X = pl.pallas_call(
         partial(_inverse_body, precision=inv_precision),

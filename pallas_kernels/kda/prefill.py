@@ -181,28 +181,22 @@ def gpu_prep(q, k, v, g, beta, *, C, scale, precision, num_warps=4, store_dtype=
     """The GPU token-parallel stage on packed token-major inputs (``beta [TT, HV, 1]``): products at
     ``precision``, the triangular inverse at TF32x3; HIGHEST throughout when interpreting.
     ``kernel="mosaic_gpu"``: kernel A in Mosaic GPU (:mod:`pallas_kernels.kda.prep_mgpu`; for
-    unbounded gates only where :func:`~pallas_kernels.kda.prep_mgpu.spans_within` holds, else Triton's);
+    unbounded gates only where every sub-chunk's gate span is within
+    :data:`~pallas_kernels.kda.prep_mgpu.SPAN`, checked by the cumsum kernel, else Triton's);
     ``wu_kernel="mosaic_gpu"``: kernel C (:mod:`pallas_kernels.kda.wu_mgpu`)."""
     hi = jax.lax.Precision.HIGHEST
     params = lambda warps, stages: None if interpret else prefill_gpu.params(warps, stages)
-    rows = rows_if = wu = None
+    rows = rows_span = wu = None
     if kernel == "mosaic_gpu":
         rows = partial(prep_mgpu.rows_call, scale=scale, store_dtype=store_dtype, interpret=bool(interpret))
-        rows_if = None if bounded else prep_mgpu.spans_within
+        rows_span = None if bounded else prep_mgpu.SPAN
     if wu_kernel == "mosaic_gpu":
         wu = partial(wu_mgpu.wu_call, store_dtype=store_dtype, interpret=bool(interpret))
     return gpu_prep_call(q, k, v, g, beta, C=C, scale=scale, interpret=interpret, store_dtype=store_dtype,
-                         bounded=bounded, rows_call=rows, rows_if=rows_if, wu_call=wu,
+                         bounded=bounded, rows_call=rows, rows_span=rows_span, wu_call=wu,
                          precision=hi if interpret else precision, inv_precision=hi if interpret else GPU_PRECISION,
                          compiler_params=params(num_warps, 2), rows_compiler_params=params(1, 2),
                          inverse_compiler_params=params(1, 1))
-
-
-def default_prep_kernel(K, chunk_size, dtype, bounded):
-    """Stage 1's kernel A :func:`chunk_kda` runs on the GPU when ``prep_kernel`` is None: Mosaic
-    GPU where it applies (:func:`pallas_kernels.kda.prep_mgpu.supported`) and the gates are
-    bounded (``gate_lower_bound`` given), else Triton."""
-    return "mosaic_gpu" if bounded and prep_mgpu.supported(K, chunk_size, dtype) else "triton"
 
 
 def default_recurrence(K, V, chunk_size, store_dtype, block_v=None):
@@ -302,11 +296,12 @@ def chunk_kda(
         shapes timed (e.g. B8 T4k H32 3.65 against 3.92 ms).
       prep_kernel: GPU: stage 1's kernel A (Aqk, Akk, qg), "triton" or "mosaic_gpu"
         (:mod:`pallas_kernels.kda.prep_mgpu`: TF32 WGMMA products; needs chunk 64, K in (64, 128)
-        and 16-bit inputs; without ``gate_lower_bound`` it runs under ``lax.cond`` only when every
-        16-token sub-chunk's gate span is within 75 nats, checked on the device per call, and the
-        Triton kernel A otherwise). None: Mosaic GPU where it applies and ``gate_lower_bound`` is
-        given, else Triton (the checked form is not yet compiled or timed on a GPU). The gate
-        cumsum and the inverse stay on Triton. Kernel time, K3 gates (2026-12-02): on the
+        and 16-bit inputs; without ``gate_lower_bound`` the cumsum kernel flags the chunks with a
+        16-token sub-chunk whose gate span passes 75 nats, and the Triton kernel A, launched only
+        if one is flagged, redoes those in place). None: Mosaic GPU where it applies, else
+        Triton. With Kimi Linear gates at B1 T131k H12 on the H200 the whole call took 3.77
+        against 4.43 ms with the Triton kernel A (2026-12-04). The gate cumsum and the inverse
+        stay on Triton. Kernel time, K3 gates (2026-12-02): on the
         H200 it took 1.42 ms against the Triton kernel A's 2.10 at B1 T131k H12 (the whole call
         4.94 against 5.25 ms when it took 1.49; 1.14 ms on 2026-12-03); on an H100 the whole call was 8-10% faster at
         H = 4, 12 and 32.
@@ -347,8 +342,6 @@ def chunk_kda(
                     f"chunk_size {chunk_size}, K={K}, V={V}")
     prep_kernel = _kernel_choice(
         "prep_kernel", prep_kernel, kind == "gpu" and prep_mgpu.supported(K, chunk_size, q.dtype),
-        default=kind == "gpu"
-        and default_prep_kernel(K, chunk_size, q.dtype, gate_lower_bound is not None) == "mosaic_gpu",
         requirement="the Mosaic GPU kernel A runs on the GPU backend with chunk_size 64, K in (64, 128) and "
                     f"16-bit inputs; got backend {kind}, chunk_size {chunk_size}, K={K}, {q.dtype}")
     wu_kernel = _kernel_choice(

@@ -43,12 +43,12 @@ G comes from the cumsum kernel. Forming it in here (three tries, the last on 202
 bf16 pieces on the tensor cores: 1.64 against 1.28 ms, the whole call 4.51 against 4.29) costs
 this one-warpgroup kernel more than the G round trip saves (docs/benchmarks.md).
 
-Those ranges hold whenever every sub-chunk's gate span (its first row's G minus its last row's,
-per head and channel) is at most ``SPAN`` = 75 nats, which gates of at least -5 guarantee. For
-unbounded gates :func:`spans_within` checks that on the device, and ``chunk_kda`` then runs this
-kernel under ``lax.cond``, the Triton kernel A (its per-row span test and exact fallback) where a
-span is wider. Columns carried past a much steeper gate underflow to zero, as their true terms
-(below ``e^-87`` relative) do.
+Those ranges hold whenever every sub-chunk's gate span (its largest G minus its smallest, per
+head and channel) is at most ``SPAN`` = 75 nats, which gates of at least -5 guarantee. For
+unbounded gates the cumsum kernel flags the chunks where a span is wider
+(``_chunk.gate_cumsum_call(span=SPAN)``), and after this kernel the Triton kernel A (its per-row
+span test and exact fallback) redoes those chunks in place. Columns carried past a much steeper
+gate underflow to zero, as their true terms (below ``e^-87`` relative) do.
 """
 
 from __future__ import annotations
@@ -84,17 +84,10 @@ SPAN = 75.0  # nats: 15 steps of the -5 gate bound
 
 def supported(K, chunk_size, dtype) -> bool:
     """Whether :func:`rows_call` takes these shapes: chunk 64, K in {64, 128}, 16-bit inputs (TF32
-    products are the Triton path's precision for those only). The gates must also keep every
-    sub-chunk's span within ``SPAN`` (:func:`spans_within`)."""
+    products are the Triton path's precision for those only). Its rows are right where every
+    sub-chunk spans at most ``SPAN``; for unbounded gates ``chunk_kda`` has the Triton kernel A
+    redo the other chunks."""
     return chunk_size == C and K in (64, 128) and jnp.dtype(dtype).itemsize == 2
-
-
-def spans_within(G):
-    """Whether every 16-row sub-chunk of the chunk-local gate cumsum ``G [TT, HV, K]`` spans at most
-    ``SPAN`` nats (gates are log decays, <= 0, so the span is the first row's G minus the last's):
-    a boolean scalar on the device. Reads two rows of every 16; NaN gates give False."""
-    Gs = G.reshape(-1, SUB, *G.shape[1:])
-    return jnp.max(Gs[:, 0] - Gs[:, SUB - 1]) <= SPAN
 
 
 def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep):

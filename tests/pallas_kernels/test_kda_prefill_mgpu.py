@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.ops import kda as ref
 from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu, prep_mgpu, wu_mgpu
-from pallas_kernels.kda._chunk import SUB
+from pallas_kernels.kda._chunk import SUB, gate_cumsum_call
 from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
 from tests.pallas_kernels.test_kda_prefill import H200, _export
 
@@ -280,38 +280,62 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
                                       gate_lower_bound=-5.0, prep_kernel="mosaic_gpu", recurrence=recurrence, **gpu_run)
 
 
-def test_spans_within():
-    """The sub-chunk span test: a span of exactly 75 nats passes, 75.5 does not; a NaN in a
-    sub-chunk's last row of G fails."""
-    G = jnp.zeros((128, 2, 64), jnp.float32).at[16:32, 1, 5].set(-jnp.linspace(0.0, 75.0, 16))
-    assert bool(prep_mgpu.spans_within(G))
-    assert not bool(prep_mgpu.spans_within(G.at[31, 1, 5].set(-75.5)))
-    assert not bool(prep_mgpu.spans_within(G.at[47, 0, 0].set(jnp.nan)))  # a cumsum carries it to row 47
+def test_the_cumsum_kernel_flags_wide_sub_chunks(gpu_run):
+    """The span check of the cumsum kernel, per (head, chunk): a 16-row
+    sub-chunk spanning exactly 75 nats passes, 75.5 does not, nor a rising gate of 76 or a NaN
+    (which Triton's max and min would skip); G is unchanged."""
+    g = jnp.zeros((128, 2, 64), jnp.float32).at[17:32, 1, 5].set(-5.0)  # rows 16..31: G 0 to -75
+
+    def wide(g):
+        G, flags = gate_cumsum_call(g, C=64, span=prep_mgpu.SPAN, interpret=gpu_run["interpret"])
+        assert bool(jnp.array_equal(G, gate_cumsum_call(g, C=64, interpret=gpu_run["interpret"]), equal_nan=True))
+        return flags.tolist()
+
+    assert wide(g) == [[0, 0], [0, 0]]
+    assert wide(g.at[31, 1, 5].set(-5.5)) == [[0, 0], [1, 0]]
+    assert wide(g.at[100, 0, 63].set(76.0)) == [[0, 1], [0, 0]]
+    assert wide(g.at[70, 1, 0].set(jnp.nan)) == [[0, 0], [0, 1]]
 
 
 def test_mosaic_kernel_a_for_unbounded_gates(gpu_run):
-    """``prep_kernel="mosaic_gpu"`` without ``gate_lower_bound`` (Kimi Linear gates, below -5 here),
-    decided per call on the device: where every sub-chunk's span is within 75 nats the Mosaic GPU
-    kernel A runs (the bits of the call that promises the bound, which only makes stage 1 take it
-    unchecked), where one is steeper the Triton kernel A with its exact fallback (its bits); both
-    within bf16 tolerance of the references (varlen, GVA, initial states, checkpoints, 2 segments);
-    it lowers for the H200 with both kernels A in the program."""
+    """``prep_kernel="mosaic_gpu"`` (the default) without ``gate_lower_bound``, Kimi Linear gates
+    below -5: where every sub-chunk spans at most 75 nats, the bits of the call that promises the
+    bound (which only drops the check); with one chunk far steeper (the Triton kernel A redoes it),
+    within bf16 tolerance of the references, as the first (varlen, GVA, initial states,
+    checkpoints, 2 segments). It lowers for the H200 with both kernels A in the program."""
     cu = jnp.array([0, 60, 160], jnp.int32)
     h0 = random_state(9, (2, 2, 64, 64))
     run = partial(prefill.chunk_kda, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64, num_segments=2, **gpu_run)
-    for gate_scale, twin in ((1.0, dict(prep_kernel="mosaic_gpu", gate_lower_bound=-5.0)),
-                             (30.0, dict(prep_kernel="triton"))):
-        x = kda_inputs(9, 1, 160, 1, 2, 64, 64, dtype=jnp.bfloat16, gate_scale=gate_scale)
-        assert float(x[3].min()) < -5.0
-        got = run(*x, prep_kernel="mosaic_gpu")
-        for a, b in zip(got, run(*x, **twin)):
-            assert bool(jnp.array_equal(a, b)), gate_scale
+    x = kda_inputs(9, 1, 160, 1, 2, 64, 64, dtype=jnp.bfloat16)
+    assert float(x[3].min()) < -5.0
+    got = run(*x)
+    for a, b in zip(got, run(*x, prep_kernel="mosaic_gpu", gate_lower_bound=-5.0)):
+        assert bool(jnp.array_equal(a, b))
+    steep = (*x[:3], x[3].at[:, 60:124].multiply(100.0), x[4])  # the second sequence's first chunk
+    for x in (x, steep):
         o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
         _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
-        for a, b in zip(got, (o_r, s_r, ck_r)):
+        for a, b in zip(run(*x) if x is steep else got, (o_r, s_r, ck_r)):
             assert_close(a, b, "bf16")
     module = _export("gpu", "cuda", H200, prep_kernel="mosaic_gpu")
     assert module.count("mosaic_gpu_v2") == 4 and module.count("xla.gpu.triton") == 4
+
+
+def test_steep_chunks_take_the_triton_kernel_a(gpu_run):
+    """Stage 1 with the Mosaic GPU kernel A and unbounded gates, chunk by chunk: the chunks whose
+    sub-chunks all span at most 75 nats get the bits of the unchecked Mosaic run, the steep one
+    (flagged by the cumsum kernel, in both heads) those of the Triton kernel A; all six outputs."""
+    q, k, v, g, beta = (x[0] for x in kda_inputs(11, 1, 3 * C, 1, HV, K, K, dtype=jnp.bfloat16))
+    g = g.at[C:2 * C].multiply(100.0)
+    interpret = gpu_run["interpret"]
+    assert gate_cumsum_call(g, C=C, span=prep_mgpu.SPAN, interpret=interpret)[1].tolist() == [[0, 1, 0]] * HV
+    run = partial(prefill.gpu_prep, q, k, v, g, beta[..., None], C=C, scale=K ** -0.5,
+                  precision=prefill.default_precision(None, jnp.bfloat16), store_dtype=jnp.bfloat16,
+                  interpret=interpret)
+    for got, fast, exact in zip(run(kernel="mosaic_gpu"), run(kernel="mosaic_gpu", bounded=True), run()):
+        got, fast, exact = (jnp.split(a, 3, axis=1) for a in (got, fast, exact))  # [HV, TT or NC, ...]
+        for c, want in enumerate((fast, exact, fast)):
+            assert bool(jnp.array_equal(got[c], want[c])), c
 
 
 def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
@@ -338,20 +362,21 @@ def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
 
 
 def test_the_mosaic_recurrence_lowers_for_the_h200():
-    """jax.export for an abstract H200: the summary pass and the recurrence as Mosaic GPU
-    kernels, stage 1 and the fold on Triton but for kernel C (Mosaic GPU for these bf16 inputs), at a serving
-    shape (bf16, K = V = 128, GVA, 2 segments); the default picks it there, and Triton where it
-    does not apply (float32 intermediates) or where a Triton ``block_v`` is given."""
+    """jax.export for an abstract H200: the summary pass, the recurrence and stage 1's kernels A
+    and C as Mosaic GPU kernels at a serving shape (bf16, K = V = 128, GVA, 2 segments), the
+    cumsum, inverse and fold kernels on Triton; the default picks them there. Without
+    ``gate_lower_bound`` the Triton kernel A is in the program too (for gates too steep for the
+    Mosaic one). The recurrence is Triton's where it does not apply (float32 intermediates) or
+    where a Triton ``block_v`` is given; kernel A Triton's when asked."""
     for module in (_export("gpu", "cuda", H200, recurrence="mosaic_gpu"), _export("gpu", "cuda", H200)):
-        assert module.count("mosaic_gpu_v2") == 3 and module.count("xla.gpu.triton") == 4
+        assert module.count("mosaic_gpu_v2") == 4 and module.count("xla.gpu.triton") == 4
     for kw in (dict(intermediate_dtype=jnp.float32), dict(block_v=64)):
         module = _export("gpu", "cuda", H200, **kw)
-        assert module.count("mosaic_gpu_v2") == 1 and module.count("xla.gpu.triton") == 6
-    # Kernel A too (bounded gates): the cumsum, inverse and fold kernels stay
-    # on Triton. The default where it applies; Triton when asked.
-    for kernel, mosaic in ((None, 4), ("mosaic_gpu", 4), ("triton", 3)):
-        module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, prep_kernel=kernel)
-        assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == 7 - mosaic
+        assert module.count("mosaic_gpu_v2") == 2 and module.count("xla.gpu.triton") == 6
+    for bound, kernel, mosaic, triton in ((-5.0, None, 4, 3), (-5.0, "mosaic_gpu", 4, 3), (-5.0, "triton", 3, 4),
+                                          (None, "triton", 3, 4)):
+        module = _export("gpu", "cuda", H200, gate_lower_bound=bound, prep_kernel=kernel)
+        assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == triton
 
 
 def test_bad_arguments_are_rejected():

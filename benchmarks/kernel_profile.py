@@ -50,8 +50,9 @@ def main():
                     help="K3 gates (lower bound -5), ours told so (gate_lower_bound=-5: no span check)")
     ap.add_argument("--segments", default="", help="comma-separated segment counts (default: the planner's)")
     ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
-    ap.add_argument("--prep-kernel", default="triton", help="comma list: triton and/or mosaic_gpu (stage 1's kernel A; "
-                    "without --k3-gates mosaic_gpu runs where the sub-chunk gate spans allow, checked per call)")
+    ap.add_argument("--prep-kernel", default="mosaic_gpu",
+                    help="comma list: mosaic_gpu (chunk_kda's choice) and/or triton (stage 1's kernel A; without "
+                         "--k3-gates the Triton one also redoes the chunks whose sub-chunk gate spans pass 75 nats)")
     ap.add_argument("--wu-kernel", default="auto",
                     help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (stage 1's kernel C)")
     ap.add_argument("--mgpu-a", default="",

@@ -281,9 +281,9 @@ def test_chunk_kda_with_the_mosaic_kernel_a(recurrence, gpu_run):
 
 
 def test_the_cumsum_kernel_flags_wide_sub_chunks(gpu_run):
-    """The span check of the cumsum kernel, per (head, chunk): a 16-row
-    sub-chunk spanning exactly 75 nats passes, 75.5 does not, nor a rising gate of 76 or a NaN
-    (which Triton's max and min would skip); G is unchanged."""
+    """The span check of the cumsum kernel, per (head, chunk): a 16-row sub-chunk spanning
+    exactly 75 nats passes, 75.5 does not, nor a rising gate of 76 or a NaN (which Triton's max
+    and min would skip); G is unchanged."""
     g = jnp.zeros((128, 2, 64), jnp.float32).at[17:32, 1, 5].set(-5.0)  # rows 16..31: G 0 to -75
 
     def wide(g):
@@ -312,10 +312,10 @@ def test_mosaic_kernel_a_for_unbounded_gates(gpu_run):
     for a, b in zip(got, run(*x, prep_kernel="mosaic_gpu", gate_lower_bound=-5.0)):
         assert bool(jnp.array_equal(a, b))
     steep = (*x[:3], x[3].at[:, 60:124].multiply(100.0), x[4])  # the second sequence's first chunk
-    for x in (x, steep):
-        o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0, cu_seqlens=cu)
-        _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
-        for a, b in zip(run(*x) if x is steep else got, (o_r, s_r, ck_r)):
+    for xs, out in ((x, got), (steep, run(*steep))):
+        o_r, s_r = ref.naive_recurrent_kda(*xs, initial_state=h0, cu_seqlens=cu)
+        _, _, ck_r = ref.chunk_kda(*xs, initial_state=h0, cu_seqlens=cu, checkpoint_stride=64)
+        for a, b in zip(out, (o_r, s_r, ck_r)):
             assert_close(a, b, "bf16")
     module = _export("gpu", "cuda", H200, prep_kernel="mosaic_gpu")
     assert module.count("mosaic_gpu_v2") == 4 and module.count("xla.gpu.triton") == 4

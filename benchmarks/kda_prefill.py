@@ -74,8 +74,8 @@ def main():
                          "mosaic_gpu needs bf16 intermediates)")
     ap.add_argument("--prep-kernel", default="auto",
                     help="comma list: auto (chunk_kda's choice: mosaic_gpu where it applies), triton and/or mosaic_gpu "
-                         "(stage 1's kernel A; with --diag exact mosaic_gpu runs where every 16-token sub-chunk's "
-                         "gate span is within 75 nats, checked per call, else Triton's)")
+                         "(stage 1's kernel A; with --diag exact the Triton one also redoes the chunks where a 16-token "
+                         "sub-chunk's gate span passes 75 nats)")
     ap.add_argument("--json", default="kda_prefill.json", help="the file under $OUT the rows go to")
     a = ap.parse_args()
     if "bounded" in a.diag and not a.k3_gates:

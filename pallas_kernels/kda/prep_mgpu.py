@@ -216,8 +216,9 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
 
 def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):
     """Token-major ``q, k [TT, H, K]`` (16-bit), ``G [TT, HV, K]`` float32 (the chunk-local gate
-    cumsum), ``beta [TT, HV, 1]``; every sub-chunk's span within ``SPAN`` (gates >= -5 give that). Returns ``qg [HV, TT, K]`` and
-    ``Aqk [HV, TT, C]`` in ``store_dtype`` and ``N [HV, TT, C]`` float32 (see the module).
+    cumsum), ``beta [TT, HV, 1]``; right where every sub-chunk spans at most ``SPAN`` (gates >= -5
+    give that). Returns ``qg [HV, TT, K]`` and ``Aqk [HV, TT, C]`` in ``store_dtype`` and
+    ``N [HV, TT, C]`` float32 (see the module).
     ``interpret``: True or a ``plgpu.InterpretGPUParams`` runs it in the Mosaic GPU interpreter."""
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()

@@ -1,0 +1,189 @@
+"""The unified device page pool: one buffer of 32-bit words, MLA latent pages and KDA state pages
+of one byte size, viewed by bitcast.
+
+Physical layout: ``u32[N, page_words]`` with ``page_words = HV * head_words``, a multiple of the
+MLA row width ``rw`` so that both views are free reshapes of the same buffer:
+
+- KDA view ``u32[N, HV, head_words]``: a request's recurrent state and conv state for every KDA
+  layer, head-contiguous (a head's bytes are one run: the unit a prefill->decode transfer
+  moves). Per head: ``state f32[n_kda, K, V]`` then ``conv f32[n_kda, W - 1, 3, K]`` (the q, k, v
+  channels of that head).
+- MLA view ``u32[N, page_words // rw, rw]``: row ``layer * P + t`` holds token ``t`` of the page's
+  ``P`` tokens for MLA layer ``layer``: the normalised latent and the rope part (``L + R``
+  values of ``latent_dtype``, bf16 by default, two per word).
+
+A page is MLA or KDA by its use, never by its array; reading one as the other kind gives
+garbage. Page ids outside ``[0, N)`` are dropped on write (padding rows use -1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.model.config import ModelConfig
+
+f32 = jnp.float32
+u32 = jnp.uint32
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Word layout of one page for a model. ``page_tokens`` (P): tokens per MLA page."""
+
+    n_kda: int
+    n_mla: int
+    HV: int
+    K: int
+    V: int
+    W: int
+    latent: int  # L + R
+    latent_dtype: str
+    page_tokens: int
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, *, page_tokens: int | None = None, token_multiple: int = 16,
+                  latent_dtype=jnp.bfloat16) -> "PoolLayout":
+        """The layout where an MLA page and a KDA page have the same byte size: ``page_tokens`` is
+        the most tokens (a multiple of ``token_multiple``, e.g. the prefix cache's hash block) whose
+        latents of every MLA layer fit in the KDA page; or given explicitly (the page grows to fit)."""
+        K = V = cfg.linear_head_dim
+        base = cls(len(cfg.kda_layers), len(cfg.mla_layers), cfg.linear_num_heads, K, V, cfg.conv_width,
+                   cfg.kv_lora_rank + cfg.qk_rope_head_dim, jnp.dtype(latent_dtype).name, 0)
+        if base.latent * jnp.dtype(latent_dtype).itemsize % 4:
+            raise ValueError(f"a latent row of {base.latent} x {latent_dtype} is not a whole number of words")
+        if page_tokens is None:
+            per_token = max(base.n_mla, 1) * base.row_words
+            page_tokens = max(token_multiple, base.kda_words // per_token // token_multiple * token_multiple)
+        return cls(**{**base.__dict__, "page_tokens": page_tokens})
+
+    @property
+    def row_words(self) -> int:
+        """Words per latent row (one token of one MLA layer)."""
+        return self.latent * jnp.dtype(self.latent_dtype).itemsize // 4
+
+    @property
+    def state_words(self) -> int:
+        """Per head: recurrent state words of all KDA layers."""
+        return self.n_kda * self.K * self.V
+
+    @property
+    def conv_words(self) -> int:
+        """Per head and KDA layer: the conv state (``W - 1`` raw q, k, v inputs)."""
+        return (self.W - 1) * 3 * self.K
+
+    @property
+    def kda_words(self) -> int:
+        return self.HV * (self.state_words + self.n_kda * self.conv_words)
+
+    @property
+    def head_words(self) -> int:
+        """Words per head in the KDA view, padded so the page is a whole number of MLA rows."""
+        need = max(self.state_words + self.n_kda * self.conv_words,
+                   -(-self.n_mla * self.page_tokens * self.row_words // self.HV))
+        step = self.row_words // math.gcd(self.row_words, self.HV)
+        return -(-need // step) * step
+
+    @property
+    def page_words(self) -> int:
+        return self.HV * self.head_words
+
+    @property
+    def page_bytes(self) -> int:
+        return 4 * self.page_words
+
+    def allocate(self, num_pages: int) -> jax.Array:
+        """A zeroed pool ``u32[num_pages, page_words]``."""
+        return jnp.zeros((num_pages, self.page_words), u32)
+
+    def pages_for_memory(self, free_bytes: int, fraction: float = 0.9) -> int:
+        """How many pages fit in ``fraction`` of ``free_bytes``."""
+        return int(free_bytes * fraction) // self.page_bytes
+
+
+def _to_words(x, dtype):
+    """``[..., n]`` of ``dtype`` -> ``u32[..., n * itemsize / 4]``."""
+    per = 4 // jnp.dtype(dtype).itemsize
+    x = x.astype(dtype)
+    if per > 1:
+        x = x.reshape(*x.shape[:-1], x.shape[-1] // per, per)
+    return jax.lax.bitcast_convert_type(x, u32)
+
+
+def _from_words(w, dtype):
+    """Inverse of :func:`_to_words`."""
+    x = jax.lax.bitcast_convert_type(w, jnp.dtype(dtype))
+    return x.reshape(*w.shape[:-1], -1)
+
+
+def _write_ids(pages, num_pages):
+    """Page ids for writes: anything outside ``[0, N)`` becomes ``N`` (dropped)."""
+    return jnp.where((pages >= 0) & (pages < num_pages), pages, num_pages)
+
+
+def read_kda(lay: PoolLayout, pool, pages, layer: int):
+    """KDA layer ``layer``'s state ``f32[B, HV, K, V]`` and conv state ``f32[B, W - 1, 3 * HV * K]``
+    from ``pages i32[B]``; a negative page id reads zeros (a fresh request)."""
+    view = pool.reshape(pool.shape[0], lay.HV, lay.head_words)
+    safe = jnp.clip(pages, 0, pool.shape[0] - 1)
+    s0 = layer * lay.K * lay.V
+    c0 = lay.state_words + layer * lay.conv_words
+    state = jax.lax.bitcast_convert_type(view[safe, :, s0 : s0 + lay.K * lay.V], f32)
+    conv = jax.lax.bitcast_convert_type(view[safe, :, c0 : c0 + lay.conv_words], f32)
+    B = pages.shape[0]
+    state = state.reshape(B, lay.HV, lay.K, lay.V)
+    # [B, HV, W-1, 3, K] -> [B, W-1, 3, HV, K]: the channel order of the model's q, k, v concat
+    conv = jnp.transpose(conv.reshape(B, lay.HV, lay.W - 1, 3, lay.K), (0, 2, 3, 1, 4)).reshape(B, lay.W - 1, -1)
+    fresh = (pages < 0)[:, None, None]
+    return jnp.where(fresh[..., None], 0.0, state), jnp.where(fresh, 0.0, conv)
+
+
+def write_kda(lay: PoolLayout, pool, pages, layer: int, state, conv):
+    """Inverse of :func:`read_kda`: write ``state``, ``conv`` of rows ``pages i32[B]`` in place."""
+    N = pool.shape[0]
+    view = pool.reshape(N, lay.HV, lay.head_words)
+    B = pages.shape[0]
+    ids = _write_ids(pages, N)
+    s0 = layer * lay.K * lay.V
+    c0 = lay.state_words + layer * lay.conv_words
+    state_w = jax.lax.bitcast_convert_type(state.astype(f32).reshape(B, lay.HV, lay.K * lay.V), u32)
+    conv = jnp.transpose(conv.astype(f32).reshape(B, lay.W - 1, 3, lay.HV, lay.K), (0, 3, 1, 2, 4))
+    conv_w = jax.lax.bitcast_convert_type(conv.reshape(B, lay.HV, lay.conv_words), u32)
+    view = view.at[ids, :, s0 : s0 + lay.K * lay.V].set(state_w, mode="drop")
+    view = view.at[ids, :, c0 : c0 + lay.conv_words].set(conv_w, mode="drop")
+    return view.reshape(pool.shape)
+
+
+def _mla_view(lay: PoolLayout, pool):
+    return pool.reshape(pool.shape[0], lay.page_words // lay.row_words, lay.row_words)
+
+
+def token_pages(lay: PoolLayout, block_tables, rows, positions):
+    """(page, token-in-page) of each token: ``block_tables i32[R, blocks]``, ``rows`` and
+    ``positions`` of equal shape; page -1 where the position is past the block table."""
+    blk = positions // lay.page_tokens
+    ok = blk < block_tables.shape[1]
+    page = jnp.where(ok, block_tables[rows, jnp.minimum(blk, block_tables.shape[1] - 1)], -1)
+    return page, positions % lay.page_tokens
+
+
+def write_latents(lay: PoolLayout, pool, layer: int, pages, offsets, latents):
+    """Write ``latents [T, L + R]`` of MLA layer ``layer`` at ``(pages, offsets) i32[T]``."""
+    view = _mla_view(lay, pool)
+    ids = _write_ids(pages, pool.shape[0])
+    view = view.at[ids, layer * lay.page_tokens + offsets].set(_to_words(latents, lay.latent_dtype), mode="drop")
+    return view.reshape(pool.shape)
+
+
+def read_latents(lay: PoolLayout, pool, layer: int, block_tables, num_tokens: int):
+    """The first ``num_tokens`` latent rows of every row's block table: ``[R, num_tokens, L + R]``
+    (rows past a row's context hold whatever the page holds: mask them)."""
+    R = block_tables.shape[0]
+    pos = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (R, num_tokens))
+    page, off = token_pages(lay, block_tables, jnp.arange(R, dtype=jnp.int32)[:, None], pos)
+    page = jnp.clip(page, 0, pool.shape[0] - 1)
+    words = _mla_view(lay, pool)[page, layer * lay.page_tokens + off]
+    return _from_words(words, lay.latent_dtype)

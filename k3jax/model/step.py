@@ -1,0 +1,410 @@
+"""The serving step: one jitted forward over a packed ragged batch of rows on the unified page pool.
+
+Each row is a decode token or a prefill chunk of one request. The first ``num_decode`` rows are
+decode rows (row ``i`` is token ``i``); the prefill rows follow, packed (``cu_seqlens``). Every
+token-wise op (projections, norms, MoE) runs over all tokens at once; KDA and MLA split into the
+decode part (one recurrence step per row; multi-query attention over latent pages) and the
+prefill part (the varlen chunked KDA; attention over cached pages plus the chunk).
+
+Compared with :func:`k3jax.model.forward` (the golden reference): weights in ``dtype`` (bf16 for
+serving) with float32 accumulation, float32 residual stream, norm statistics, router, gates, KDA
+state and logits; MLA with absorbed weights (``kv_b`` split at load into ``w_uk`` and ``w_uv``,
+attention over the 576-wide latents, never re-expanded over the cache); routed experts as one
+grouped matmul per projection over tokens sorted by expert; logits for one token per row and
+sampling on the device. Caches live in the unified pool (:mod:`k3jax.model.pool`), read by page
+id and written in place (the pool is donated).
+
+The attention here is the pure-JAX form: it gathers ``max_blocks * page_tokens`` latent rows per
+row (the batch's context bucket) and masks, so its work follows the bucket, not each row's
+context; a paged kernel replaces it (issue 51).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.model.config import ModelConfig
+from k3jax.model.pool import PoolLayout, read_kda, read_latents, token_pages, write_kda, write_latents
+from k3jax.ops.conv import short_conv, short_conv_step
+from k3jax.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2norm
+
+f32 = jnp.float32
+i32 = jnp.int32
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    """Device ops of the serving step. ``chunk_kda`` has the varlen contract of
+    :func:`k3jax.ops.kda.chunk_kda`; ``ragged_dot`` that of :func:`jax.lax.ragged_dot` (with
+    ``preferred_element_type``)."""
+
+    chunk_kda: Callable = chunk_kda
+    ragged_dot: Callable = jax.lax.ragged_dot
+
+
+class StepBatch(NamedTuple):
+    """One step's packed inputs (host-built, bucketed shapes; see :func:`pack_batch`).
+
+    tokens ``i32[T]``; cu_seqlens ``i32[R + 1]`` (rows ``i < num_decode`` are token ``i``; padding
+    rows are empty or have ``state_slot == -1``); start ``i32[R]`` tokens of the row's sequence
+    already in the cache (its first position); block_tables ``i32[R, blocks]`` MLA page ids
+    (-1 unused); state_slot ``i32[R]`` the request's KDA state page (-1: padding row, nothing
+    written); state_src ``i32[R]`` the page its state is read from (its own slot, a prefix-cache
+    checkpoint to resume from, or -1 for zero state); checkpoint ``i32[R]`` a page that also
+    receives the row's final state (-1: none); temperature ``f32[R]`` (0: greedy), top_k
+    ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed ``i32[R]``.
+    """
+
+    tokens: jax.Array
+    cu_seqlens: jax.Array
+    start: jax.Array
+    block_tables: jax.Array
+    state_slot: jax.Array
+    state_src: jax.Array
+    checkpoint: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+
+class StepOutput(NamedTuple):
+    """``tokens i32[R]`` sampled after each row's last token; ``logprob f32[R]`` of that token;
+    ``top_ids i32[R, n]`` / ``top_logprobs f32[R, n]`` (n = ``num_logprobs``); ``logits f32[R, V]``
+    only when asked (tests)."""
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    logits: jax.Array | None
+
+
+def prepare_params(cfg: ModelConfig, params, dtype=jnp.bfloat16):
+    """Serving params from reference params: matrices in ``dtype``; gates, norms, conv and router
+    in float32; q, k, v of KDA fused; MLA ``kv_b [nh * (nope + v), L]`` split into
+    ``w_uk [nh, nope, L]`` and ``w_uv [nh, v, L]``; experts as ``gate_up [E, D, 2I]``, ``down [E, I, D]``."""
+    cast = lambda x: jnp.asarray(x, dtype)
+    full = lambda x: jnp.asarray(x, f32)
+    keep32 = {"conv", "A_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm", "router", "bias"}
+    conv = lambda d: {k: (full(v) if k in keep32 else dense_mlp_params(v, cast) if k == "shared" else cast(v))
+                      for k, v in d.items()}
+    layers = []
+    nh, nope, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for t, m, lp in zip(cfg.layer_types, cfg.mlp_types, params["layers"]):
+        a = dict(lp["attn"])
+        if t == "kda":
+            a["qkv"] = jnp.concatenate([a.pop("q"), a.pop("k"), a.pop("v")])
+        else:
+            kv_b = jnp.asarray(a.pop("kv_b")).reshape(nh, nope + vd, -1)
+            a["w_uk"], a["w_uv"] = kv_b[:, :nope], kv_b[:, nope:]
+        mp = dict(lp["mlp"])
+        if m == "moe":
+            mp["gate_up"] = jnp.swapaxes(jnp.asarray(mp["gate_up"]), 1, 2)
+            mp["down"] = jnp.swapaxes(jnp.asarray(mp["down"]), 1, 2)
+        layers.append(dict(input_norm=full(lp["input_norm"]), post_norm=full(lp["post_norm"]), attn=conv(a),
+                           mlp=conv(mp)))
+    out = dict(embed=cast(params["embed"]), norm=full(params["norm"]), layers=layers)
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = cast(params["lm_head"])
+    return out
+
+
+def dense_mlp_params(p, cast):
+    return {k: cast(v) for k, v in p.items()}
+
+
+def _operands(a, b):
+    """Both operands in ``b``'s dtype, and the precision: float32 weights run at HIGHEST (the
+    reference's numbers); 16-bit ones as 16-bit products with float32 accumulation. XLA:CPU has no
+    bf16 x bf16 -> f32 dot, so there the operands are upcast (the same products: a bf16 x bf16
+    product is exact in float32)."""
+    a = a.astype(b.dtype)
+    if b.dtype == f32:
+        return a, b, jax.lax.Precision.HIGHEST
+    if jax.default_backend() == "cpu":
+        return a.astype(f32), b.astype(f32), jax.lax.Precision.DEFAULT
+    return a, b, jax.lax.Precision.DEFAULT
+
+
+def mm(spec: str, a, b):
+    """``einsum(spec, a, b)`` in ``b``'s dtype with a float32 result (see :func:`_operands`)."""
+    a, b, prec = _operands(a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=prec)
+
+
+def linear(x, w):
+    """``x @ w.T`` with ``w [out, in]``: operands in ``w``'s dtype, float32 result."""
+    return mm("...i,oi->...o", x, w)
+
+
+def rms_norm(x, w, eps):
+    x = x.astype(f32)
+    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def dense_mlp(p, x):
+    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+
+
+class _Rows(NamedTuple):
+    """Static split and per-token bookkeeping derived from a batch."""
+
+    nd: int  # decode rows (= decode tokens)
+    row: jax.Array  # i32[T] row of each token (R for padding tokens)
+    pos: jax.Array  # i32[T] position of each token in its sequence
+    live: jax.Array  # bool[T]
+
+
+def _rows(batch: StepBatch, nd: int) -> _Rows:
+    T, R = batch.tokens.shape[0], batch.start.shape[0]
+    t = jnp.arange(T, dtype=i32)
+    row = jnp.searchsorted(batch.cu_seqlens, t, side="right").astype(i32) - 1
+    live = (t < batch.cu_seqlens[-1]) & (row < R)
+    row = jnp.where(live, row, R)
+    rc = jnp.minimum(row, R - 1)
+    pos = batch.start[rc] + t - batch.cu_seqlens[rc]
+    return _Rows(nd, row, pos, live)
+
+
+def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li: int, batch: StepBatch,
+              rows: _Rows):
+    """KDA sublayer over packed ``x [T, D]``; reads and writes KDA layer ``li``'s state pages."""
+    T = x.shape[0]
+    HV, K, nd = cfg.linear_num_heads, cfg.linear_head_dim, rows.nd
+    raw = linear(x, p["qkv"]).astype(x.dtype)  # [T, 3 * HV * K]
+    g = kda_gate(linear(linear(x, p["f_a"]), p["f_b"]).reshape(T, HV, K), p["A_log"].reshape(HV), p["dt_bias"],
+                 lower_bound=cfg.kda_lower_bound)
+    beta = jax.nn.sigmoid(linear(x, p["b"]))
+    state, conv = read_kda(lay, pool, batch.state_src, li)
+    outs, finals, convs = [], [], []
+    if nd:
+        y, c_d = short_conv_step(raw[:nd], conv[:nd], p["conv"], activation="silu")
+        q, k, v = (a.reshape(nd, HV, K) for a in jnp.split(y, 3, axis=-1))
+        o_d, s_d = kda_decode_step(state[:nd], l2norm(q), l2norm(k), v, g[:nd], beta[:nd])
+        outs.append(o_d)
+        finals.append(s_d)
+        convs.append(c_d)
+    if T > nd:
+        cu = batch.cu_seqlens[nd:] - nd
+        y, c_p = short_conv(raw[None, nd:], p["conv"], activation="silu", initial_state=conv[nd:], cu_seqlens=cu)
+        q, k, v = (a.reshape(1, T - nd, HV, K) for a in jnp.split(y[0], 3, axis=-1))
+        o_p, s_p = kernels.chunk_kda(l2norm(q), l2norm(k), v, g[None, nd:], beta[None, nd:],
+                                     initial_state=state[nd:], cu_seqlens=cu)
+        outs.append(o_p[0])
+        finals.append(s_p)
+        convs.append(c_p)
+    o, final, conv = (jnp.concatenate([x.astype(f32) for x in a]) for a in (outs, finals, convs))
+    pool = write_kda(lay, pool, batch.state_slot, li, final, conv)
+    pool = write_kda(lay, pool, batch.checkpoint, li, final, conv)
+    gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
+    o = rms_norm(o.astype(f32), p["o_norm"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.reshape(T, HV, K))
+    return linear(o.reshape(T, HV * K), p["o"]), pool
+
+
+def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
+    """Multi-query attention over latents (absorbed MLA): ``q_lat [.., nh, L]`` (q_nope through
+    ``w_uk``), ``q_rope [.., nh, R]``, ``ctx [S, L + R]``, ``visible bool[.., S]``.
+    Returns ``[.., nh, v]`` in float32."""
+    s = (mm("...hl,sl->...hs", q_lat, ctx[:, :L]) + mm("...hr,sr->...hs", q_rope, ctx[:, L:])) * scale
+    s = jnp.where(visible[..., None, :], s, -jnp.inf)
+    a = jax.nn.softmax(s, axis=-1)
+    return mm("...hl,hvl->...hv", mm("...hs,sl->...hl", a, ctx[:, :L]), w_uv)
+
+
+def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: StepBatch, rows: _Rows):
+    """MLA sublayer (no positional encoding, as in Kimi Linear) with absorbed ``kv_b``: writes the
+    tokens' latents into their pages, then every token attends over its row's latents."""
+    T = x.shape[0]
+    nh, nope, rope, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if "q" in p:
+        q = linear(x, p["q"])
+    else:
+        q = linear(rms_norm(linear(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps), p["q_b"])
+    q = q.reshape(T, nh, nope + rope)
+    ckv = linear(x, p["kv_a"])
+    latent = jnp.concatenate([rms_norm(ckv[:, :L], p["kv_a_norm"], cfg.rms_norm_eps), ckv[:, L:]], axis=-1)
+    page, off = token_pages(lay, batch.block_tables, jnp.minimum(rows.row, batch.start.shape[0] - 1), rows.pos)
+    pool = write_latents(lay, pool, li, jnp.where(rows.live, page, -1), off, latent)
+    q_lat, q_rope = mm("thn,hnl->thl", q[..., :nope], p["w_uk"]), q[..., nope:]
+    S = batch.block_tables.shape[1] * lay.page_tokens
+    ctx = read_latents(lay, pool, li, batch.block_tables, S)  # [R, S, L + R]
+    scale = (nope + rope) ** -0.5
+    attend = partial(latent_attention, L=L, scale=scale, w_uv=p["w_uv"])
+    s = jnp.arange(S, dtype=i32)
+    nd, R = rows.nd, batch.start.shape[0]
+    outs = []
+    if nd:
+        vis = s[None, :] <= rows.pos[:nd, None]
+        outs.append(jax.vmap(attend)(q_lat[:nd], q_rope[:nd], ctx[:nd], vis))
+    if T > nd:
+        def one_row(r):
+            vis = (rows.row[nd:, None] == r) & (s[None, :] <= rows.pos[nd:, None])
+            return jnp.where((rows.row[nd:] == r)[:, None, None], attend(q_lat[nd:], q_rope[nd:], ctx[r], vis), 0.0)
+        outs.append(jnp.sum(jax.lax.map(one_row, jnp.arange(nd, R, dtype=i32)), axis=0))
+    o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+    return linear(o.reshape(T, -1), p["o"]), pool
+
+
+def route(cfg: ModelConfig, p, x):
+    """Sigmoid router with score-correction bias and group-limited top-k, in float32.
+    Returns ``(weights f32[T, k], experts i32[T, k])``."""
+    E, G = cfg.num_experts, cfg.n_group
+    scores = jax.nn.sigmoid(linear(x.astype(f32), p["router"]))
+    choice = scores + p["bias"]
+    group_scores = jnp.sum(jax.lax.top_k(choice.reshape(-1, G, E // G), 2)[0], axis=-1)
+    _, groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    keep = jnp.any(jnp.arange(G)[None, :, None] == groups[:, None, :], axis=-1)
+    choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, idx
+
+
+def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
+    """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts."""
+    T, D = x.shape
+    I = cfg.moe_intermediate_size
+    w, idx = route(cfg, p, x)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat)
+    tok = order // cfg.num_experts_per_tok
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(i32)
+    def grouped(a, w):
+        a, w, prec = _operands(a, w)
+        return kernels.ragged_dot(a, w, sizes, preferred_element_type=f32, precision=prec)
+
+    h = grouped(x[tok], p["gate_up"])
+    y = grouped(jax.nn.silu(h[:, :I]) * h[:, I:], p["down"])
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros((T, D), f32).at[tok].add(y) + dense_mlp(p["shared"], x)
+
+
+def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
+    """Per-row sampling of ``logits f32[R, V]``: greedy where ``temperature == 0``, else
+    temperature, top-k, top-p and a Gumbel draw keyed by ``fold_in(key(seed), position)``.
+    Returns ``(tokens i32[R], logprob f32[R], top_ids i32[R, n], top_logprobs f32[R, n])`` with
+    log-probabilities of the unfiltered, untempered distribution."""
+    V = logits.shape[-1]
+    greedy = batch.temperature <= 0
+    x = logits / jnp.where(greedy, 1.0, batch.temperature)[:, None]
+    srt = jnp.sort(x, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(srt, jnp.clip(batch.top_k - 1, 0, V - 1)[:, None], axis=1)
+    x = jnp.where((batch.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    srt = jnp.where((batch.top_k[:, None] > 0) & (srt < kth), -jnp.inf, srt)
+    p = jax.nn.softmax(srt, axis=-1)
+    # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+    before = jnp.cumsum(p, axis=-1) - p
+    kept = (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1)
+    cut = jnp.min(jnp.where(kept, srt, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x < cut, -jnp.inf, x)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), t))(batch.seed, positions)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), f32))(keys)
+    drawn = jnp.argmax(x + gumbel, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(i32)
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
+    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids.astype(i32), top_lp
+
+
+def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
+               batch: StepBatch, *, num_logprobs: int = 0, return_logits: bool = False):
+    """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``."""
+    rows = _rows(batch, num_decode)
+    dt = params["embed"].dtype
+    x = params["embed"][batch.tokens].astype(f32)
+    ik = im = 0
+    for i, lp in enumerate(params["layers"]):
+        h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps).astype(dt)
+        if cfg.layer_types[i] == "kda":
+            h, pool = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, ik, batch, rows)
+            ik += 1
+        else:
+            h, pool = mla_layer(cfg, lay, lp["attn"], h, pool, im, batch, rows)
+            im += 1
+        x = x + h
+        h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps).astype(dt)
+        x = x + (moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(lp["mlp"], h))
+    last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
+    h = rms_norm(x[last], params["norm"], cfg.rms_norm_eps)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    logits = linear(h, head)
+    tokens, lp, top_ids, top_lp = sample(logits, batch, rows.pos[last] + 1, num_logprobs)
+    return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits else None), pool
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("num_logprobs", "return_logits"),
+         donate_argnums=5)
+def jit_step(cfg, lay, kernels, num_decode, params, pool, batch, *, num_logprobs=0, return_logits=False):
+    """:func:`model_step` jitted, the pool donated (updated in place)."""
+    return model_step(cfg, lay, kernels, num_decode, params, pool, batch, num_logprobs=num_logprobs,
+                      return_logits=return_logits)
+
+
+class Row(NamedTuple):
+    """One row for :func:`pack_batch`: ``tokens`` to run after ``start`` cached tokens, its MLA
+    ``pages``, its state ``slot``, where its state comes from (``src``: defaults to ``slot`` when
+    ``start > 0``, else -1), an optional ``checkpoint`` page and sampling parameters."""
+
+    tokens: list
+    start: int
+    pages: list
+    slot: int
+    src: int | None = None
+    checkpoint: int = -1
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_decode: int, num_tokens: int,
+               num_rows: int, max_blocks: int, num_pages: int) -> StepBatch:
+    """Pack rows into a :class:`StepBatch` of the given bucket: ``num_decode`` decode rows (one
+    token each), prefill rows after them, ``num_tokens`` tokens and ``num_rows`` rows in all.
+    Raises ``ValueError`` for a batch over its bucket, a row whose context passes its block
+    table, or a page or slot id outside ``[0, num_pages)``."""
+    if len(decode) > num_decode or any(len(r.tokens) != 1 for r in decode):
+        raise ValueError(f"{len(decode)} decode rows (one token each) for a bucket of {num_decode}")
+    if num_decode + len(prefill) > num_rows:
+        raise ValueError(f"{num_decode} + {len(prefill)} rows exceed the bucket of {num_rows} rows")
+    n_tok = num_decode + sum(len(r.tokens) for r in prefill)
+    if n_tok > num_tokens:
+        raise ValueError(f"{n_tok} tokens exceed the bucket of {num_tokens}")
+    R = num_rows
+    out = dict(tokens=np.zeros(num_tokens, np.int32), cu_seqlens=np.zeros(R + 1, np.int32),
+               start=np.zeros(R, np.int32), block_tables=np.full((R, max_blocks), -1, np.int32),
+               state_slot=np.full(R, -1, np.int32), state_src=np.full(R, -1, np.int32),
+               checkpoint=np.full(R, -1, np.int32), temperature=np.zeros(R, np.float32),
+               top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32), seed=np.zeros(R, np.int32))
+    placed = [(i, r) for i, r in enumerate(decode)] + [(num_decode + i, r) for i, r in enumerate(prefill)]
+    lens = np.zeros(R, np.int32)
+    lens[:num_decode] = 1
+    for i, r in placed:
+        lens[i] = len(r.tokens)
+        n = len(r.tokens)
+        if r.start + n > len(r.pages) * lay.page_tokens or len(r.pages) > max_blocks:
+            raise ValueError(f"row {i}: context {r.start + n} exceeds its block table "
+                             f"({len(r.pages)} pages of {lay.page_tokens} tokens, bucket {max_blocks} pages)")
+        ids = [r.slot, r.checkpoint, *r.pages] + ([] if r.src is None else [r.src])
+        if any(not (0 <= p < num_pages) for p in ids if p != -1) or r.slot < 0:
+            raise ValueError(f"row {i}: page or slot id outside [0, {num_pages}): {ids}")
+        t0 = i if i < num_decode else num_decode + sum(len(x.tokens) for x in prefill[: i - num_decode])
+        out["tokens"][t0 : t0 + n] = r.tokens
+        out["start"][i] = r.start
+        out["block_tables"][i, : len(r.pages)] = r.pages
+        out["state_slot"][i] = r.slot
+        out["state_src"][i] = r.src if r.src is not None else (r.slot if r.start else -1)
+        out["checkpoint"][i] = r.checkpoint
+        out["temperature"][i], out["top_k"][i], out["top_p"][i], out["seed"][i] = (r.temperature, r.top_k, r.top_p,
+                                                                                     r.seed)
+    out["cu_seqlens"][1:] = np.cumsum(lens)
+    return StepBatch(**{k: jnp.asarray(v) for k, v in out.items()})

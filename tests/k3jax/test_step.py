@@ -1,0 +1,224 @@
+"""The serving step against the reference forward: ragged batches mixing prefill chunks, decode
+rows and idle rows on the unified page pool; pages shared between rows; MoE; sampling; errors."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.model import ModelConfig, init_params, load_hf_checkpoint, logits
+from k3jax.model.pool import PoolLayout, read_kda, read_latents, write_kda, write_latents
+from k3jax.model.step import (Row, StepBatch, StepKernels, jit_step, moe, pack_batch, prepare_params, route,
+                              sample)
+from tests.helpers import rel_rms
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
+BUCKET = dict(num_decode=4, num_tokens=48, num_rows=7, max_blocks=3)
+
+
+def _tiny(**over):
+    with open("configs/tiny.json") as f:
+        d = json.load(f)
+    d.update(over)
+    cfg = ModelConfig.from_hf_dict(d)
+    return cfg, init_params(cfg, jax.random.key(3))
+
+
+class Runner:
+    """Feeds known sequences through the step chunk by chunk (teacher forcing) and keeps the
+    logits of each row's last token."""
+
+    def __init__(self, cfg, params, dtype, page_tokens=16, num_pages=24):
+        self.cfg = cfg
+        self.lay = PoolLayout.for_model(cfg, page_tokens=page_tokens, latent_dtype=dtype)
+        self.params = prepare_params(cfg, params, dtype)
+        self.pool = self.lay.allocate(num_pages)
+        self.N = num_pages
+
+    def run(self, decode, prefill):
+        batch = pack_batch(self.lay, decode, prefill, num_pages=self.N, **BUCKET)
+        out, self.pool = jit_step(self.cfg, self.lay, StepKernels(), BUCKET["num_decode"], self.params, self.pool,
+                                  batch, return_logits=True)
+        nd = BUCKET["num_decode"]
+        rows = list(range(len(decode))) + [nd + i for i in range(len(prefill))]
+        return np.asarray(out.logits)[rows], np.asarray(out.tokens)[rows]
+
+
+def _seqs(cfg, lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
+
+
+def _schedule(runner, seqs):
+    """Three steps over sequences A (40 tokens), B (24), C (6) and D (A's first 16 + its own):
+    step 1 prefills A[:16] (checkpoint page 20) and B[:23]; step 2 decodes B, prefills A[16:40],
+    C and D from A's checkpoint with A's first page shared; step 3 decodes A, C, D (one idle
+    decode row). Returns ``[(seq, position, logits)]``."""
+    A, B, C, D = seqs
+    pa, pb, pc, pd = [0, 1, 2], [3, 4], [5], [0, 6]
+    got = []
+    lg, _ = runner.run([], [Row(A[:16], 0, pa, slot=10, checkpoint=20), Row(B[:23], 0, pb, slot=11)])
+    got += [(0, 15, lg[0]), (1, 22, lg[1])]
+    lg, _ = runner.run([Row(B[23:24], 23, pb, slot=11)],
+                       [Row(A[16:40], 16, pa, slot=10), Row(C[:5], 0, pc, slot=12),
+                        Row(D[16:28], 16, pd, slot=13, src=20)])
+    got += [(1, 23, lg[0]), (0, 39, lg[1]), (2, 4, lg[2]), (3, 27, lg[3])]
+    lg, _ = runner.run([Row(A[40:41], 40, pa, slot=10), Row(C[5:6], 5, pc, slot=12), Row(D[28:29], 28, pd, slot=13)],
+                       [])
+    got += [(0, 40, lg[0]), (2, 5, lg[1]), (3, 28, lg[2])]
+    return got
+
+
+def _seqs_with_shared_prefix(cfg):
+    A, B, C, D = _seqs(cfg, [41, 24, 6, 29])
+    return [A, B, C, A[:16] + D[16:]]
+
+
+@pytest.mark.parametrize("k3", [False, True])
+def test_step_matches_forward_float32(k3):
+    over = dict(kda_lower_bound=-5.0, full_rank_output_gate=True) if k3 else {}
+    cfg, params = _tiny(**over)
+    seqs = _seqs_with_shared_prefix(cfg)
+    ref = [np.asarray(logits(cfg, params, jnp.asarray(s))) for s in seqs]
+    runner = Runner(cfg, params, jnp.float32)
+    page0 = np.asarray(runner.pool[0])
+    for seq, pos, lg in _schedule(runner, seqs):
+        assert rel_rms(lg, ref[seq][pos]) < 1e-5, (seq, pos)
+        assert np.argmax(lg) == np.argmax(ref[seq][pos])
+    # A's first page (shared with D) held A's latents after step 1; D never wrote it.
+    assert not np.array_equal(page0, np.asarray(runner.pool[0]))
+
+
+def test_shared_page_is_not_written_by_the_sharing_row():
+    cfg, params = _tiny()
+    A, B, C, D = _seqs_with_shared_prefix(cfg)
+    runner = Runner(cfg, params, jnp.float32)
+    runner.run([], [Row(A[:16], 0, [0, 1, 2], slot=10, checkpoint=20)])
+    before = np.asarray(runner.pool[0])
+    runner.run([], [Row(D[16:28], 16, [0, 6], slot=13, src=20)])
+    np.testing.assert_array_equal(np.asarray(runner.pool[0]), before)
+
+
+def test_step_bf16_close_to_forward():
+    cfg, params = _tiny()
+    seqs = _seqs_with_shared_prefix(cfg)
+    ref = [np.asarray(logits(cfg, params, jnp.asarray(s))) for s in seqs]
+    for seq, pos, lg in _schedule(Runner(cfg, params, jnp.bfloat16), seqs):
+        assert rel_rms(lg, ref[seq][pos]) < 3e-2, (seq, pos)
+
+
+@pytest.mark.parametrize("case", ["moe_hf_form", "original_form_sharded"])
+def test_step_on_golden_checkpoints(case):
+    cfg, params = load_hf_checkpoint(os.path.join(GOLDEN, case))
+    ids = np.load(os.path.join(GOLDEN, case, "golden.npz"))["token_ids"].tolist()
+    ref = np.asarray(logits(cfg, params, jnp.asarray(ids)))
+    runner = Runner(cfg, params, jnp.float32, page_tokens=16, num_pages=8)
+    n = len(ids)
+    half = n // 2
+    lg, _ = runner.run([], [Row(ids[:half], 0, [0, 1, 2], slot=5)])
+    assert rel_rms(lg[0], ref[half - 1]) < 1e-5
+    for t in range(half, n):
+        lg, tok = runner.run([Row(ids[t : t + 1], t, [0, 1, 2], slot=5)], [])
+        assert rel_rms(lg[0], ref[t]) < 1e-5
+        assert tok[0] == np.argmax(ref[t])
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_grouped_moe_matches_per_token_experts(T):
+    cfg, params = _tiny()
+    p = prepare_params(cfg, params, jnp.float32)["layers"][1]["mlp"]
+    x = jax.random.normal(jax.random.key(T), (T, cfg.hidden_size), jnp.float32)
+    got = moe(cfg, StepKernels(), p, x)
+    w, idx = route(cfg, p, x)
+    hp = jax.lax.Precision.HIGHEST
+    want = np.zeros((T, cfg.hidden_size), np.float32)
+    I = cfg.moe_intermediate_size
+    for t in range(T):
+        for j in range(cfg.num_experts_per_tok):
+            e = int(idx[t, j])
+            h = jnp.dot(x[t], p["gate_up"][e], precision=hp)
+            want[t] += float(w[t, j]) * np.asarray(jnp.dot(jax.nn.silu(h[:I]) * h[I:], p["down"][e], precision=hp))
+    sh = p["shared"]
+    want += np.asarray(jnp.dot(jax.nn.silu(jnp.dot(x, sh["gate"].T, precision=hp)) * jnp.dot(x, sh["up"].T, precision=hp),
+                               sh["down"].T, precision=hp))
+    assert rel_rms(got, want) < 1e-5
+
+
+def _sampling_batch(R, temperature=0.0, top_k=0, top_p=1.0, seed=0):
+    z = lambda v, dt: jnp.full((R,), v, dt)
+    return StepBatch(None, None, None, None, None, None, None, z(temperature, jnp.float32), z(top_k, jnp.int32),
+                     z(top_p, jnp.float32), jnp.arange(R, dtype=jnp.int32) + seed)
+
+
+def test_sampling_filters_and_seeds():
+    R, V = 8, 50
+    lg = jax.random.normal(jax.random.key(0), (R, V), jnp.float32) * 3
+    pos = jnp.arange(R, dtype=jnp.int32)
+    greedy = np.argmax(np.asarray(lg), axis=-1)
+    for kw in (dict(), dict(temperature=1.0, top_k=1), dict(temperature=1.0, top_p=1e-6)):
+        tok, *_ = sample(lg, _sampling_batch(R, **kw), pos)
+        np.testing.assert_array_equal(np.asarray(tok), greedy)
+    a, *_ = sample(lg, _sampling_batch(R, temperature=1.0, seed=5), pos)
+    b, *_ = sample(lg, _sampling_batch(R, temperature=1.0, seed=5), pos)
+    c, *_ = sample(lg, _sampling_batch(R, temperature=1.0, seed=6), pos + 1)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(a), np.asarray(c))
+    tok, *_ = sample(lg, _sampling_batch(R, temperature=1.0, top_k=3), pos)
+    top3 = np.argsort(-np.asarray(lg), axis=-1)[:, :3]
+    assert all(int(t) in top3[r] for r, t in enumerate(np.asarray(tok)))
+
+
+def test_sampled_distribution_matches_softmax():
+    V, n = 6, 4000
+    lg = jnp.asarray([[1.0, 0.5, 0.0, -0.5, 2.0, -3.0]], jnp.float32)
+    draw = jax.jit(jax.vmap(lambda s: sample(lg, _sampling_batch(1, temperature=0.7, seed=s), jnp.zeros(1, jnp.int32))[0][0]))
+    counts = np.bincount(np.asarray(draw(jnp.arange(n, dtype=jnp.int32))), minlength=V) / n
+    want = np.asarray(jax.nn.softmax(lg[0] / 0.7))
+    assert np.abs(counts - want).max() < 0.03, (counts, want)
+
+
+def test_logprobs_are_of_the_distribution():
+    lg = jax.random.normal(jax.random.key(1), (3, 20), jnp.float32)
+    tok, lp, ids, top = sample(lg, _sampling_batch(3), jnp.zeros(3, jnp.int32), num_logprobs=4)
+    ref = np.asarray(jax.nn.log_softmax(lg, axis=-1))
+    np.testing.assert_allclose(np.asarray(lp), ref[np.arange(3), np.asarray(tok)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(top), np.sort(ref, axis=-1)[:, ::-1][:, :4], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ids)[:, 0], np.asarray(tok))
+
+
+def test_pool_views_roundtrip_and_are_disjoint():
+    cfg, _ = _tiny()
+    lay = PoolLayout.for_model(cfg, token_multiple=8)
+    assert lay.page_tokens * lay.n_mla * lay.row_words <= lay.page_words >= lay.kda_words
+    pool = lay.allocate(4)
+    k = jax.random.split(jax.random.key(0), 3)
+    st = jax.random.normal(k[0], (2, lay.HV, lay.K, lay.V), jnp.float32)
+    cv = jax.random.normal(k[1], (2, lay.W - 1, 3 * lay.HV * lay.K), jnp.float32)
+    lat = jax.random.normal(k[2], (5, lay.latent), jnp.float32).astype(jnp.bfloat16)
+    pool = write_kda(lay, pool, jnp.asarray([1, -1], jnp.int32), 2, st, cv)
+    s2, c2 = read_kda(lay, pool, jnp.asarray([1, 0], jnp.int32), 2)
+    np.testing.assert_array_equal(np.asarray(s2[0]), np.asarray(st[0]))
+    np.testing.assert_array_equal(np.asarray(c2[0]), np.asarray(cv[0]))
+    assert not np.any(np.asarray(pool[0])) and not np.any(np.asarray(pool[2:]))  # -1 wrote nothing
+    pool = write_latents(lay, pool, 0, jnp.asarray([2, 2, 2, 3, -1], jnp.int32), jnp.asarray([0, 1, 5, 0, 0], jnp.int32), lat)
+    got = read_latents(lay, pool, 0, jnp.asarray([[2, 3]], jnp.int32), lay.page_tokens + 1)
+    np.testing.assert_array_equal(np.asarray(got[0, [0, 1, 5, lay.page_tokens]]), np.asarray(lat[:4]))
+    s3, _ = read_kda(lay, pool, jnp.asarray([1], jnp.int32), 2)
+    np.testing.assert_array_equal(np.asarray(s3[0]), np.asarray(st[0]))  # latents in other pages
+
+
+def test_bad_batches_raise():
+    cfg, _ = _tiny()
+    lay = PoolLayout.for_model(cfg, page_tokens=16)
+    pack = lambda d, p: pack_batch(lay, d, p, num_pages=8, **BUCKET)
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        pack([], [Row(list(range(20)), 0, [0], slot=1)])
+    with pytest.raises(ValueError, match="outside"):
+        pack([], [Row([1, 2], 0, [0], slot=8)])
+    with pytest.raises(ValueError, match="exceed the bucket"):
+        pack([], [Row([1] * 30, 0, [0, 1], slot=1), Row([1] * 30, 0, [2, 3], slot=2)])
+    with pytest.raises(ValueError, match="decode rows"):
+        pack([Row([1], 3, [0], slot=1)] * 5, [])

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.model.config import ModelConfig
+from k3jax.model.model import Trunk, glu, init_tree, param_shapes
 from k3jax.model.pool import PoolLayout, read_kda, read_latents, token_pages, write_kda, write_latents
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2norm
@@ -38,14 +39,23 @@ f32 = jnp.float32
 i32 = jnp.int32
 
 
+def grouped_matmul(lhs, rhs, group_sizes, **kw):
+    """``tokamax.ragged_dot`` (the contract of :func:`jax.lax.ragged_dot`): on the H200 it ran one
+    MoE projection of Kimi-Linear-48B 9-104x faster than ``jax.lax.ragged_dot`` with the same bits
+    (docs/benchmarks.md); elsewhere it falls back to XLA."""
+    import tokamax  # imported on first use: it pulls in its profiler tooling
+
+    return tokamax.ragged_dot(lhs, rhs, group_sizes, **kw)
+
+
 @dataclass(frozen=True)
 class StepKernels:
     """Device ops of the serving step. ``chunk_kda`` has the varlen contract of
-    :func:`k3jax.ops.kda.chunk_kda`; ``ragged_dot`` that of :func:`jax.lax.ragged_dot` (with
-    ``preferred_element_type``)."""
+    :func:`k3jax.ops.kda.chunk_kda` (serving passes the Pallas prefill on a GPU); ``ragged_dot``
+    that of :func:`jax.lax.ragged_dot` with ``preferred_element_type``."""
 
     chunk_kda: Callable = chunk_kda
-    ragged_dot: Callable = jax.lax.ragged_dot
+    ragged_dot: Callable = grouped_matmul
 
 
 class StepBatch(NamedTuple):
@@ -90,34 +100,48 @@ def prepare_params(cfg: ModelConfig, params, dtype=jnp.bfloat16):
     """Serving params from reference params: matrices in ``dtype``; gates, norms, conv and router
     in float32; q, k, v of KDA fused; MLA ``kv_b [nh * (nope + v), L]`` split into
     ``w_uk [nh, nope, L]`` and ``w_uv [nh, v, L]``; experts as ``gate_up [E, D, 2I]``, ``down [E, I, D]``."""
-    cast = lambda x: jnp.asarray(x, dtype)
-    full = lambda x: jnp.asarray(x, f32)
-    keep32 = {"conv", "A_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm", "router", "bias"}
-    conv = lambda d: {k: (full(v) if k in keep32 else dense_mlp_params(v, cast) if k == "shared" else cast(v))
-                      for k, v in d.items()}
-    layers = []
-    nh, nope, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    for t, m, lp in zip(cfg.layer_types, cfg.mlp_types, params["layers"]):
-        a = dict(lp["attn"])
-        if t == "kda":
-            a["qkv"] = jnp.concatenate([a.pop("q"), a.pop("k"), a.pop("v")])
-        else:
-            kv_b = jnp.asarray(a.pop("kv_b")).reshape(nh, nope + vd, -1)
-            a["w_uk"], a["w_uv"] = kv_b[:, :nope], kv_b[:, nope:]
-        mp = dict(lp["mlp"])
-        if m == "moe":
-            mp["gate_up"] = jnp.swapaxes(jnp.asarray(mp["gate_up"]), 1, 2)
-            mp["down"] = jnp.swapaxes(jnp.asarray(mp["down"]), 1, 2)
-        layers.append(dict(input_norm=full(lp["input_norm"]), post_norm=full(lp["post_norm"]), attn=conv(a),
-                           mlp=conv(mp)))
-    out = dict(embed=cast(params["embed"]), norm=full(params["norm"]), layers=layers)
+    out = dict(embed=jnp.asarray(params["embed"], dtype), norm=jnp.asarray(params["norm"], f32),
+               layers=[prepare_layer(cfg, i, lp, dtype) for i, lp in enumerate(params["layers"])],
+               **{k: jnp.asarray(params[k], f32) for k in ("out_res_proj", "out_res_norm") if k in params})
     if not cfg.tie_word_embeddings:
-        out["lm_head"] = cast(params["lm_head"])
+        out["lm_head"] = jnp.asarray(params["lm_head"], dtype)
     return out
 
 
-def dense_mlp_params(p, cast):
-    return {k: cast(v) for k, v in p.items()}
+_FLOAT32_PARAMS = {"conv", "A_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm", "router", "bias", "latent_norm"}
+
+
+def prepare_layer(cfg: ModelConfig, i: int, lp, dtype=jnp.bfloat16):
+    """:func:`prepare_params` for layer ``i`` alone."""
+    cast = lambda tree: {k: (cast(v) if isinstance(v, dict) else
+                             jnp.asarray(v, f32 if k in _FLOAT32_PARAMS else dtype)) for k, v in tree.items()}
+    a, mp = dict(lp["attn"]), dict(lp["mlp"])
+    if cfg.layer_types[i] == "kda":
+        a["qkv"] = jnp.concatenate([a.pop("q"), a.pop("k"), a.pop("v")])
+    else:
+        kv_b = jnp.asarray(a.pop("kv_b")).reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        a["w_uk"], a["w_uv"] = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
+    if cfg.mlp_types[i] == "moe":
+        mp["gate_up"] = jnp.swapaxes(jnp.asarray(mp["gate_up"]), 1, 2)
+        mp["down"] = jnp.swapaxes(jnp.asarray(mp["down"]), 1, 2)
+    trunk = {k: jnp.asarray(v, f32) for k, v in lp.items() if k not in ("attn", "mlp")}  # norms, AttnRes
+    return dict(**trunk, attn=cast(a), mlp=cast(mp))
+
+
+def random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16):
+    """Random serving params (the distribution of :func:`k3jax.model.init_params`) built one layer
+    at a time, so a model that fills the device never exists twice (benchmarks)."""
+    shapes = param_shapes(cfg)
+    keys = jax.random.split(key, cfg.num_layers + 1)
+    top = init_tree({k: v for k, v in shapes.items() if k != "layers"}, keys[-1], dtype)
+    out = prepare_params(cfg, {**top, "layers": []}, dtype)
+    makers = {}
+    for i, shp in enumerate(shapes["layers"]):
+        kind = (cfg.layer_types[i], cfg.mlp_types[i])
+        if kind not in makers:
+            makers[kind] = jax.jit(lambda k, i=i, shp=shp: prepare_layer(cfg, i, init_tree(shp, k, dtype), dtype))
+        out["layers"].append(makers[kind](keys[i]))
+    return out
 
 
 def _operands(a, b):
@@ -149,8 +173,8 @@ def rms_norm(x, w, eps):
     return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def dense_mlp(p, x):
-    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+def dense_mlp(cfg: ModelConfig, p, x):
+    return linear(glu(cfg, linear(x, p["gate"]), linear(x, p["up"])), p["down"])
 
 
 class _Rows(NamedTuple):
@@ -248,8 +272,10 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: Ste
             vis = (rows.row[nd:, None] == r) & (s[None, :] <= rows.pos[nd:, None])
             return jnp.where((rows.row[nd:] == r)[:, None, None], attend(q_lat[nd:], q_rope[nd:], ctx[r], vis), 0.0)
         outs.append(jnp.sum(jax.lax.map(one_row, jnp.arange(nd, R, dtype=i32)), axis=0))
-    o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-    return linear(o.reshape(T, -1), p["o"]), pool
+    o = (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).reshape(T, -1)
+    if cfg.mla_output_gate:
+        o = o * jax.nn.sigmoid(linear(x, p["g"]))
+    return linear(o, p["o"]), pool
 
 
 def route(cfg: ModelConfig, p, x):
@@ -270,10 +296,11 @@ def route(cfg: ModelConfig, p, x):
 
 
 def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
-    """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts."""
-    T, D = x.shape
+    """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
+    (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`)."""
     I = cfg.moe_intermediate_size
     w, idx = route(cfg, p, x)
+    z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
     flat = idx.reshape(-1)
     order = jnp.argsort(flat)
     tok = order // cfg.num_experts_per_tok
@@ -282,10 +309,14 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
         a, w, prec = _operands(a, w)
         return kernels.ragged_dot(a, w, sizes, preferred_element_type=f32, precision=prec)
 
-    h = grouped(x[tok], p["gate_up"])
-    y = grouped(jax.nn.silu(h[:, :I]) * h[:, I:], p["down"])
-    y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, D), f32).at[tok].add(y) + dense_mlp(p["shared"], x)
+    h = grouped(z[tok], p["gate_up"])
+    y = grouped(glu(cfg, h[:, :I], h[:, I:]), p["down"])
+    y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
+    if cfg.latent_moe_size:
+        if cfg.latent_moe_norm:
+            y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)
+        y = linear(y, p["latent_up"])
+    return y + dense_mlp(cfg, p["shared"], x)
 
 
 def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
@@ -320,21 +351,20 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
     """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``."""
     rows = _rows(batch, num_decode)
     dt = params["embed"].dtype
-    x = params["embed"][batch.tokens].astype(f32)
+    trunk = Trunk(cfg, params["embed"][batch.tokens].astype(f32))
     ik = im = 0
     for i, lp in enumerate(params["layers"]):
-        h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps).astype(dt)
+        h = rms_norm(trunk.attn_input(i, lp), lp["input_norm"], cfg.rms_norm_eps).astype(dt)
         if cfg.layer_types[i] == "kda":
             h, pool = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, ik, batch, rows)
             ik += 1
         else:
             h, pool = mla_layer(cfg, lay, lp["attn"], h, pool, im, batch, rows)
             im += 1
-        x = x + h
-        h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps).astype(dt)
-        x = x + (moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(lp["mlp"], h))
+        h = rms_norm(trunk.mlp_input(lp, h), lp["post_norm"], cfg.rms_norm_eps).astype(dt)
+        trunk.add(moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(cfg, lp["mlp"], h))
     last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
-    h = rms_norm(x[last], params["norm"], cfg.rms_norm_eps)
+    h = rms_norm(trunk.output(params)[last], params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = linear(h, head)
     tokens, lp, top_ids, top_lp = sample(logits, batch, rows.pos[last] + 1, num_logprobs)

@@ -28,6 +28,9 @@ from pallas_kernels.kda import prefill_gpu, prefill_mgpu, prefill_tpu, prep_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION, gpu_prep_call, prep_call
 
 _F32 = jnp.float32
+# Float32 q, k, v with K or V above this do not fit the GPU kernels' shared memory on Hopper
+# (232448 bytes): chunk_kda runs them as bf16 operands, the state and outputs staying float32.
+GPU_F32_MAX_HEAD = 64
 
 
 def plan_segments(num_seqs, num_heads, V, max_chunks, *, backend, block_v=64, num_cores=None, min_chunks=16,
@@ -242,6 +245,13 @@ def _interpret(interpret, backend):
     return interpret
 
 
+_CHUNK_KDA_OPTIONS = (
+    "scale", "initial_state", "cu_seqlens", "chunk_size", "checkpoint_stride", "use_qk_l2norm", "num_segments",
+    "backend", "interpret", "block_v", "num_warps", "num_stages", "prep_num_warps", "scan_precision",
+    "prep_precision", "initial_state_fn", "intermediate_dtype", "gate_lower_bound", "summary_block_v", "recurrence",
+    "prep_kernel", "wu_kernel")
+
+
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
@@ -251,6 +261,10 @@ def chunk_kda(
     prep_kernel: str | None = None, wu_kernel: str | None = None,
 ):
     """Chunked KDA prefill as Pallas kernels; arguments and results as :func:`k3jax.ops.kda.chunk_kda`.
+
+    On the GPU, float32 ``q, k, v`` with K or V above ``GPU_F32_MAX_HEAD`` (64) run as a bf16
+    call (they do not fit the kernels' shared memory in float32): bf16 operands and outputs (cast
+    back to float32); the gates, beta, the state and the checkpoints stay float32.
 
     Extra keyword arguments:
       num_segments: segments per sequence for the recurrent stage (GPU); None asks
@@ -325,6 +339,10 @@ def chunk_kda(
     if kind == "gpu" and not gpu_head_dims_ok(K, V):
         raise ValueError(f"the GPU kernels need K and V to be powers of two >= 16, got K={K}, V={V}")
     out_dtype = _out_dtype(v)
+    if kind == "gpu" and max(K, V) > GPU_F32_MAX_HEAD and jnp.dtype(out_dtype) == jnp.dtype(_F32):
+        args = {n: x for n, x in locals().items() if n in _CHUNK_KDA_OPTIONS}
+        out = chunk_kda(*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, **args)
+        return (out[0].astype(_F32),) + tuple(out[1:])
     if intermediate_dtype is None:
         intermediate_dtype = default_intermediates(out_dtype) if kind == "gpu" else _F32
     store = jnp.dtype(intermediate_dtype)

@@ -7,13 +7,30 @@ import os
 from dataclasses import dataclass, fields
 
 
+def _expert_format(d: dict) -> str | None:
+    """"mxfp4" for a compressed-tensors ``quantization_config`` in MXFP4, None for none."""
+    q = d.get("quantization_config")
+    if not q:
+        return None
+    fmt = q.get("format") or next(iter(q.get("config_groups", {}).values()), {}).get("format")
+    if fmt != "mxfp4-pack-quantized":
+        raise ValueError(f"quantization format {fmt!r} is not supported (mxfp4-pack-quantized)")
+    return "mxfp4"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and options of a Kimi Linear / K3 model.
 
     ``layer_types[i]`` is "kda" or "mla"; ``mlp_types[i]`` is "dense" or "moe". K3 options:
     ``kda_lower_bound`` (the lower-bound gate, e.g. -5.0; None = Kimi Linear softplus gate) and
-    ``full_rank_output_gate`` (the output gate is one ``D -> HV*V`` projection instead of low rank).
+    ``full_rank_output_gate`` (the output gate is one ``D -> HV*V`` projection instead of low rank),
+    ``attn_res_block_size`` (Block Attention Residuals: the trunk mixes the embedding, the sealed
+    block sums and the current block's partial sum before every sublayer), ``latent_moe_size``
+    (Stable LatentMoE: routed experts work in this latent, with an RMSNorm before the up
+    projection when ``latent_moe_norm``), ``hidden_act`` "situ" (SiTU-GLU with ``situ_beta`` and
+    ``situ_linear_beta``), ``mla_output_gate`` (``o_proj(o * sigmoid(g_proj x))``) and
+    ``expert_format`` "mxfp4" (routed experts stored as compressed-tensors MXFP4).
     """
 
     vocab_size: int
@@ -44,6 +61,14 @@ class ModelConfig:
     full_rank_output_gate: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    attn_res_block_size: int | None = None
+    latent_moe_size: int | None = None
+    latent_moe_norm: bool = False
+    hidden_act: str = "silu"
+    situ_beta: float = 1.0
+    situ_linear_beta: float | None = None
+    mla_output_gate: bool = False
+    expert_format: str | None = None
 
     def __post_init__(self):
         n = len(self.layer_types)
@@ -53,6 +78,12 @@ class ModelConfig:
             raise ValueError(f"bad layer types {set(self.layer_types)} / {set(self.mlp_types)}")
         if "moe" in self.mlp_types and (self.num_experts <= 0 or self.num_experts % self.n_group):
             raise ValueError(f"num_experts={self.num_experts} must be positive and divisible by n_group={self.n_group}")
+        if self.hidden_act not in ("silu", "situ"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, situ)")
+        if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
+            raise ValueError(f"attn_res_block_size must be >= 1, got {self.attn_res_block_size}")
+        if self.expert_format not in (None, "mxfp4"):
+            raise ValueError(f"expert_format {self.expert_format!r} is not supported (None, 'mxfp4')")
 
     @property
     def num_layers(self) -> int:
@@ -74,7 +105,12 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         """Read a Hugging Face ``config.json`` dict in either form: transformers' own
         (``layer_types`` / ``mlp_layer_types``) or the original checkpoint's (``linear_attn_config``
-        with 1-indexed ``kda_layers`` / ``full_attn_layers``, ``first_k_dense_replace``)."""
+        with 1-indexed ``kda_layers`` / ``full_attn_layers``, ``first_k_dense_replace``); a K3
+        checkpoint's (``KimiK3ForConditionalGeneration``) text fields under ``text_config``."""
+        if "text_config" in d:
+            d = {**{k: v for k, v in d.items() if k != "text_config"}, **d["text_config"]}
+        if d.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"moe_router_activation_func {d['moe_router_activation_func']!r} is not supported (sigmoid)")
         g = lambda *names, default=None: next((d[n] for n in names if d.get(n) is not None), default)
         L = d["num_hidden_layers"]
         lin = d.get("linear_attn_config") or {}
@@ -114,8 +150,13 @@ class ModelConfig:
             routed_scaling_factor=float(g("routed_scaling_factor", default=1.0)),
             norm_topk_prob=bool(g("norm_topk_prob", "moe_renormalize", default=True)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            kda_lower_bound=d.get("kda_lower_bound"), full_rank_output_gate=bool(d.get("full_rank_output_gate", False)),
+            kda_lower_bound=g("kda_lower_bound", default=lin.get("gate_lower_bound")),
+            full_rank_output_gate=bool(g("full_rank_output_gate", default=lin.get("use_full_rank_gate", False))),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            attn_res_block_size=d.get("attn_res_block_size"), latent_moe_size=d.get("routed_expert_hidden_size"),
+            latent_moe_norm=bool(d.get("latent_moe_use_norm", False)), hidden_act=d.get("hidden_act", "silu"),
+            situ_beta=float(d.get("activation_situ_beta") or 1.0), situ_linear_beta=d.get("activation_situ_linear_beta"),
+            mla_output_gate=bool(d.get("mla_use_output_gate", False)), expert_format=_expert_format(d),
         )
 
     @classmethod
@@ -136,6 +177,10 @@ class ModelConfig:
             mlp_layer_types=["sparse" if t == "moe" else "dense" for t in self.mlp_types],
             linear_conv_kernel_dim=self.conv_width,
         )
-        for k in ("num_heads", "mlp_types", "num_experts", "conv_width"):
+        for k in ("num_heads", "mlp_types", "num_experts", "conv_width", "expert_format"):
             d.pop(k)
+        for ours, hf in (("latent_moe_size", "routed_expert_hidden_size"), ("latent_moe_norm", "latent_moe_use_norm"),
+                         ("situ_beta", "activation_situ_beta"), ("situ_linear_beta", "activation_situ_linear_beta"),
+                         ("mla_output_gate", "mla_use_output_gate")):
+            d[hf] = d.pop(ours)
         return d

@@ -20,7 +20,9 @@ import numpy as np
 from k3jax.model.config import ModelConfig
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64, "I64": np.int64,
-           "I32": np.int32}
+           "I32": np.int32, "U8": np.uint8}
+# E2M1 (FP4) code points: bit 3 is the sign, bits 0-2 index these magnitudes.
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 class CheckpointError(ValueError):
@@ -28,11 +30,12 @@ class CheckpointError(ValueError):
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of one ``.safetensors`` file as NumPy arrays (bf16 via ml_dtypes)."""
+    """All tensors of one ``.safetensors`` file as read-only NumPy views of a memory map (bf16 via
+    ml_dtypes): nothing is read until a tensor is used."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-        data = f.read()
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if os.path.getsize(path) > 8 + n else b""
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -61,7 +64,17 @@ def _read_dir(path: str) -> dict[str, np.ndarray]:
 
 def _normalise(name: str) -> str:
     name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.", ".self_attn.")
-    return re.sub(r"^model\.", "", name)
+    return re.sub(r"^model\.", "", re.sub(r"^language_model\.", "", name))
+
+
+def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """compressed-tensors MXFP4: ``packed u8[out, in / 2]`` (the even input column in the low
+    nibble, E2M1 codes) and ``scale u8[out, in / 32]`` (E8M0: ``2^(s - 127)``) -> ``f32[out, in]``."""
+    packed, scale = np.asarray(packed), np.asarray(scale)
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    values = _FP4_VALUES[codes]
+    factor = np.ldexp(np.float32(1.0), scale.astype(np.int32) - 127).astype(np.float32)
+    return (values.reshape(*scale.shape, -1) * factor[..., None]).reshape(values.shape)
 
 
 def load_hf_checkpoint(path: str, dtype=None):
@@ -77,7 +90,7 @@ def load_hf_checkpoint(path: str, dtype=None):
     raw = {_normalise(k): v for k, v in _read_dir(path).items()}
     used: set[str] = set()
 
-    def take(name, shape):
+    def take(name, shape, cast=True):
         if name not in raw:
             raise CheckpointError(f"missing tensor {name} in {path}")
         a = raw[name]
@@ -86,7 +99,26 @@ def load_hf_checkpoint(path: str, dtype=None):
         if tuple(a.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name} has shape {tuple(a.shape)}, config expects {tuple(shape)}")
         used.add(name)
-        return jnp.asarray(a if dtype is None else a.astype(dtype))
+        return jnp.asarray(a if dtype is None or not cast else a.astype(dtype))
+
+    def take_a_log(name):
+        """``A_log [HV]``; K3 checkpoints store ``[head_dim]`` of which the first HV are used."""
+        a = raw.get(name)
+        if a is not None and a.ndim == 1 and a.shape[0] > HV:
+            raw[name] = a[:HV]
+        return take(name, (HV,))
+
+    def expert(name, shape):
+        """A routed expert's ``[out, in]`` weight: dense, or MXFP4 dequantised to float32."""
+        if cfg.expert_format != "mxfp4":
+            return take(name + ".weight", shape)
+        out, inp = shape
+        packed = take(name + ".weight_packed", (out, inp // 2), cast=False)
+        scale = take(name + ".weight_scale", (out, inp // 32), cast=False)
+        if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
+            raise CheckpointError(f"{name}: MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+        w = dequantize_mxfp4(np.asarray(packed), np.asarray(scale))
+        return jnp.asarray(w if dtype is None else w.astype(dtype))
 
     D, HVK, K, HV = cfg.hidden_size, cfg.qkv_dim, cfg.linear_head_dim, cfg.linear_num_heads
     W = cfg.conv_width
@@ -103,7 +135,7 @@ def load_hf_checkpoint(path: str, dtype=None):
                                                 for n in ("q", "k", "v")])
             attn.update(
                 f_a=take(a + "f_a_proj.weight", (K, D)), f_b=take(a + "f_b_proj.weight", (HVK, K)),
-                dt_bias=take(a + "dt_bias", (HVK,)), A_log=take(a + "A_log", (HV,)),
+                dt_bias=take(a + "dt_bias", (HVK,)), A_log=take_a_log(a + "A_log"),
                 b=take(a + "b_proj.weight", (HV, D)), o_norm=take(a + "o_norm.weight", (K,)),
                 o=take(a + "o_proj.weight", (D, HVK)),
             )
@@ -127,21 +159,23 @@ def load_hf_checkpoint(path: str, dtype=None):
                 kv_b=take(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), L)),
                 o=take(a + "o_proj.weight", (D, nh * cfg.v_head_dim)),
             )
+            if cfg.mla_output_gate:
+                attn["g"] = take(a + "g_proj.weight", (nh * cfg.v_head_dim, D))
         m = pre + "mlp."
         if cfg.mlp_types[i] == "dense":
             I = cfg.intermediate_size
             mlp = dict(gate=take(m + "gate_proj.weight", (I, D)), up=take(m + "up_proj.weight", (I, D)),
                        down=take(m + "down_proj.weight", (D, I)))
         else:
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            E, I, Z = cfg.num_experts, cfg.moe_intermediate_size, cfg.latent_moe_size or D
             if m + "experts.gate_up_proj" in raw:
-                gate_up = take(m + "experts.gate_up_proj", (E, 2 * I, D))
-                down = take(m + "experts.down_proj", (E, D, I))
+                gate_up = take(m + "experts.gate_up_proj", (E, 2 * I, Z))
+                down = take(m + "experts.down_proj", (E, Z, I))
             else:
-                e = m + "experts.{}.{}.weight"
-                gate_up = jnp.stack([jnp.concatenate([take(e.format(j, "w1"), (I, D)), take(e.format(j, "w3"), (I, D))])
+                e = m + "experts.{}.{}"
+                gate_up = jnp.stack([jnp.concatenate([expert(e.format(j, "w1"), (I, Z)), expert(e.format(j, "w3"), (I, Z))])
                                      for j in range(E)])
-                down = jnp.stack([take(e.format(j, "w2"), (D, I)) for j in range(E)])
+                down = jnp.stack([expert(e.format(j, "w2"), (Z, I)) for j in range(E)])
             Is = I * cfg.n_shared_experts
             mlp = dict(
                 router=take(m + "gate.weight", (E, D)), bias=take(m + "gate.e_score_correction_bias", (E,)),
@@ -150,9 +184,23 @@ def load_hf_checkpoint(path: str, dtype=None):
                             up=take(m + "shared_experts.up_proj.weight", (Is, D)),
                             down=take(m + "shared_experts.down_proj.weight", (D, Is))),
             )
-        layers.append(dict(input_norm=take(pre + "input_layernorm.weight", (D,)),
-                           post_norm=take(pre + "post_attention_layernorm.weight", (D,)), attn=attn, mlp=mlp))
+            if cfg.latent_moe_size:
+                mlp.update(latent_down=take(m + "routed_expert_down_proj.weight", (Z, D)),
+                           latent_up=take(m + "routed_expert_up_proj.weight", (D, Z)))
+                if cfg.latent_moe_norm:
+                    mlp["latent_norm"] = take(m + "routed_expert_norm.weight", (Z,))
+        layer = dict(input_norm=take(pre + "input_layernorm.weight", (D,)),
+                     post_norm=take(pre + "post_attention_layernorm.weight", (D,)), attn=attn, mlp=mlp)
+        if cfg.attn_res_block_size:
+            layer.update(attn_res_proj=take(pre + "self_attention_res_proj.weight", (D,)),
+                         attn_res_norm=take(pre + "self_attention_res_norm.weight", (D,)),
+                         mlp_res_proj=take(pre + "mlp_res_proj.weight", (D,)),
+                         mlp_res_norm=take(pre + "mlp_res_norm.weight", (D,)))
+        layers.append(layer)
     params = dict(embed=take("embed_tokens.weight", (cfg.vocab_size, D)), norm=take("norm.weight", (D,)), layers=layers)
+    if cfg.attn_res_block_size:
+        params.update(out_res_proj=take("output_attn_res_proj.weight", (D,)),
+                      out_res_norm=take("output_attn_res_norm.weight", (D,)))
     if not cfg.tie_word_embeddings:
         params["lm_head"] = take("lm_head.weight", (cfg.vocab_size, D))
     unexpected = sorted(set(raw) - used)

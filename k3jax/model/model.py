@@ -4,14 +4,17 @@ One code path serves the golden no-cache forward, chunked prefill and decode: ``
 caches in and returns them out (KDA recurrent state, short-conv state, MLA latent KV). Kernels
 are injected through :class:`Kernels` (default: the pure-JAX references).
 
-Params (weights in Hugging Face ``[out, in]`` orientation):
+Params (weights in Hugging Face ``[out, in]`` orientation; K3's additions in brackets):
 ``embed [V, D]``, ``norm [D]``, ``lm_head [V, D]``, and per layer ``input_norm``, ``post_norm``, an
 ``attn`` dict (KDA: ``q, k, v [HV*K, D]``, ``conv [3*HV*K, W]``, ``f_a [K, D]``, ``f_b [HV*K, K]``,
 ``dt_bias [HV*K]``, ``A_log [HV]``, ``b [HV, D]``, ``g_a [K, D]`` + ``g_b [HV*K, K]`` or ``g [HV*K, D]``,
 ``o_norm [K]``, ``o [D, HV*K]``; MLA: ``q [nh*(nope+rope), D]`` or ``q_a``/``q_a_norm``/``q_b``,
-``kv_a [L+R, D]``, ``kv_a_norm [L]``, ``kv_b [nh*(nope+v), L]``, ``o [D, nh*v]``) and an ``mlp`` dict
-(dense: ``gate, up [I, D]``, ``down [D, I]``; MoE: ``router [E, D]``, ``bias [E]``,
-``gate_up [E, 2I, D]``, ``down [E, D, I]``, ``shared`` dense MLP).
+``kv_a [L+R, D]``, ``kv_a_norm [L]``, ``kv_b [nh*(nope+v), L]``, ``o [D, nh*v]``, [``g [nh*v, D]``]) and
+an ``mlp`` dict (dense: ``gate, up [I, D]``, ``down [D, I]``; MoE: ``router [E, D]``, ``bias [E]``,
+``gate_up [E, 2I, Z]``, ``down [E, Z, I]``, ``shared`` dense MLP, [``latent_down [Z, D]``,
+``latent_up [D, Z]``, ``latent_norm [Z]``], ``Z = D`` without a latent); [per layer
+``attn_res_proj, attn_res_norm, mlp_res_proj, mlp_res_norm [D]``; top level ``out_res_proj,
+out_res_norm [D]``].
 """
 
 from __future__ import annotations
@@ -80,8 +83,29 @@ def rms_norm(x, w, eps):
     return w.astype(f32) * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def mlp(p, x):
-    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+def glu(cfg: ModelConfig, gate, up):
+    """The gated activation: ``silu(gate) * up``, or K3's SiTU-GLU
+    ``b1 tanh(gate / b1) sigmoid(gate) * b2 tanh(up / b2)`` (``b2`` None: ``up`` as is), in float32."""
+    gate, up = gate.astype(f32), up.astype(f32)
+    if cfg.hidden_act == "silu":
+        return jax.nn.silu(gate) * up
+    b1, b2 = cfg.situ_beta, cfg.situ_linear_beta
+    if b2 is not None:
+        up = b2 * jnp.tanh(up / b2)
+    return b1 * jnp.tanh(gate / b1) * jax.nn.sigmoid(gate) * up
+
+
+def mlp(cfg: ModelConfig, p, x):
+    return linear(glu(cfg, linear(x, p["gate"]), linear(x, p["up"])), p["down"])
+
+
+def attn_res_mix(sources, proj, norm, eps):
+    """Block Attention Residuals: ``sum_j softmax_j(logit) src_j`` over ``sources [S, T, D]`` with
+    ``logit_j = sum_c RMSNorm(src_j)[c] norm[c] proj[c]`` (no 1/sqrt(D)). Returns ``f32[T, D]``."""
+    src = sources.astype(f32)
+    unit = src * jax.lax.rsqrt(jnp.mean(src * src, axis=-1, keepdims=True) + eps)
+    logit = jnp.einsum("std,d->st", unit, norm.astype(f32) * proj.astype(f32), precision=HIGHEST)
+    return jnp.einsum("st,std->td", jax.nn.softmax(logit, axis=0), src, precision=HIGHEST)
 
 
 class WindowInputs(NamedTuple):
@@ -136,8 +160,10 @@ def mla_attention(cfg: ModelConfig, p, x, kv_cache, pos):
     scores = jnp.einsum("thd,shd->hts", q, k, precision=HIGHEST) * (nope + rope) ** -0.5
     visible = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]
     attn = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
-    o = jnp.einsum("hts,shd->thd", attn, kv[..., nope:], precision=HIGHEST)
-    return linear(o.reshape(T, nh * vd), p["o"]), kv_cache
+    o = jnp.einsum("hts,shd->thd", attn, kv[..., nope:], precision=HIGHEST).reshape(T, nh * vd)
+    if cfg.mla_output_gate:  # K3
+        o = o * jax.nn.sigmoid(linear(x, p["g"]))
+    return linear(o, p["o"]), kv_cache
 
 
 def route(cfg: ModelConfig, p, x):
@@ -159,24 +185,68 @@ def route(cfg: ModelConfig, p, x):
 
 def moe(cfg: ModelConfig, p, x):
     """Routed experts plus shared experts. Few tokens (decode) gather their experts' weights;
-    many tokens (prefill) sort by expert and run two grouped matmuls."""
-    T, D = x.shape
+    many tokens (prefill) sort by expert and run two grouped matmuls. Stable LatentMoE (K3): the
+    router reads ``x``, the experts a latent ``latent_down x``, and their weighted sum goes back
+    through an RMSNorm and ``latent_up``."""
+    T = x.shape[0]
     I = cfg.moe_intermediate_size
     w, idx = route(cfg, p, x)
+    z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
     if T * cfg.num_experts_per_tok <= cfg.num_experts:
-        h = jnp.einsum("td,tkfd->tkf", x, p["gate_up"][idx].astype(f32), precision=HIGHEST)
-        a = jax.nn.silu(h[..., :I]) * h[..., I:]
-        y = jnp.einsum("tki,tkdi->tkd", a, p["down"][idx].astype(f32), precision=HIGHEST)
-        return jnp.einsum("tk,tkd->td", w, y, precision=HIGHEST) + mlp(p["shared"], x)
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat)
-    tok = order // cfg.num_experts_per_tok
-    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-    h = jax.lax.ragged_dot(x[tok], jnp.swapaxes(p["gate_up"].astype(f32), 1, 2), sizes, precision=HIGHEST)
-    a = jax.nn.silu(h[:, :I]) * h[:, I:]
-    y = jax.lax.ragged_dot(a, jnp.swapaxes(p["down"].astype(f32), 1, 2), sizes, precision=HIGHEST)
-    y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, D), f32).at[tok].add(y) + mlp(p["shared"], x)
+        h = jnp.einsum("td,tkfd->tkf", z, p["gate_up"][idx].astype(f32), precision=HIGHEST)
+        y = jnp.einsum("tki,tkdi->tkd", glu(cfg, h[..., :I], h[..., I:]), p["down"][idx].astype(f32), precision=HIGHEST)
+        y = jnp.einsum("tk,tkd->td", w, y, precision=HIGHEST)
+    else:
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        tok = order // cfg.num_experts_per_tok
+        sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+        h = jax.lax.ragged_dot(z[tok], jnp.swapaxes(p["gate_up"].astype(f32), 1, 2), sizes, precision=HIGHEST)
+        a = glu(cfg, h[:, :I], h[:, I:])
+        y = jax.lax.ragged_dot(a, jnp.swapaxes(p["down"].astype(f32), 1, 2), sizes, precision=HIGHEST)
+        y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
+    if cfg.latent_moe_size:
+        if cfg.latent_moe_norm:
+            y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)
+        y = linear(y, p["latent_up"])
+    return y + mlp(cfg, p["shared"], x)
+
+
+class Trunk:
+    """The residual trunk of one forward: ``x + f(x)`` sums for Kimi Linear; for K3's Block
+    Attention Residuals the sealed block sums (block 0: the embedding) and the current block's
+    partial sum, mixed before each sublayer (every ``attn_res_block_size`` layers the partial sum
+    is sealed; nothing crosses tokens, so no cache)."""
+
+    def __init__(self, cfg: ModelConfig, x):
+        self.cfg, self.partial, self.blocks = cfg, x, []
+
+    def _mix(self, proj, norm):
+        return attn_res_mix(jnp.stack(self.blocks + [self.partial]), proj, norm, self.cfg.rms_norm_eps)
+
+    def attn_input(self, i: int, lp):
+        bs = self.cfg.attn_res_block_size
+        if bs is None:
+            return self.partial
+        h = self._mix(lp["attn_res_proj"], lp["attn_res_norm"]) if self.blocks else self.partial
+        if i % bs == 0:
+            self.blocks.append(self.partial)
+            self.partial = None
+        return h
+
+    def mlp_input(self, lp, attn_out):
+        self.partial = attn_out if self.partial is None else self.partial + attn_out
+        if self.cfg.attn_res_block_size is None:
+            return self.partial
+        return self._mix(lp["mlp_res_proj"], lp["mlp_res_norm"])
+
+    def add(self, mlp_out):
+        self.partial = self.partial + mlp_out
+
+    def output(self, params):
+        if self.cfg.attn_res_block_size is None:
+            return self.partial
+        return self._mix(params["out_res_proj"], params["out_res_norm"])
 
 
 def forward(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Kernels = Kernels(),
@@ -187,12 +257,23 @@ def forward(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Ker
     over layers when ``return_window`` (speculative verify). Prefill, chunked prefill and decode
     (T = 1) are all this function; ``T`` must fit: ``cache.pos + T <= S_max``.
     """
-    x = params["embed"][token_ids].astype(f32)
+    x, new, windows = _layers(cfg, params, token_ids, cache, kernels)
+    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    if return_window:
+        return linear(x, head), new, jax.tree.map(lambda *a: jnp.stack(a), *windows)
+    return linear(x, head), new
+
+
+def _layers(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Kernels):
+    """Every layer: the trunk's output before the final norm ``f32[T, D]``, the caches, the
+    per-KDA-layer window inputs."""
     ks, cs, kv = list(cache.kda_state), list(cache.conv_state), list(cache.mla_kv)
     windows = []
     ik = im = 0
+    trunk = Trunk(cfg, params["embed"][token_ids].astype(f32))
     for i, lp in enumerate(params["layers"]):
-        h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+        h = rms_norm(trunk.attn_input(i, lp), lp["input_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == "kda":
             h, ks[ik], cs[ik], w = kda_attention(cfg, lp["attn"], h, ks[ik], cs[ik], kernels)
             windows.append(w)
@@ -200,17 +281,19 @@ def forward(cfg: ModelConfig, params, token_ids, cache: ModelCache, kernels: Ker
         else:
             h, kv[im] = mla_attention(cfg, lp["attn"], h, kv[im], cache.pos)
             im += 1
-        x = x + h
-        h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
-        x = x + (moe(cfg, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else mlp(lp["mlp"], h))
-    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+        h = rms_norm(trunk.mlp_input(lp, h), lp["post_norm"], cfg.rms_norm_eps)
+        trunk.add(moe(cfg, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else mlp(cfg, lp["mlp"], h))
     stack = lambda xs, like: jnp.stack(xs) if xs else like
     new = ModelCache(stack(ks, cache.kda_state), stack(cs, cache.conv_state), stack(kv, cache.mla_kv),
                      cache.pos + token_ids.shape[0])
-    if return_window:
-        return linear(x, head), new, jax.tree.map(lambda *a: jnp.stack(a), *windows)
-    return linear(x, head), new
+    return trunk.output(params), new, windows
+
+
+def hidden_states(cfg: ModelConfig, params, token_ids, kernels: Kernels = Kernels()):
+    """One sequence with no cache: the trunk's output (K3: the final AttnRes mix) and the final
+    norm's output (the LM head's input), both ``f32[T, D]``."""
+    x, _, _ = _layers(cfg, params, token_ids, init_cache(cfg, token_ids.shape[0]), kernels)
+    return x, rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 
 def commit_window(cfg: ModelConfig, before: ModelCache, after: ModelCache, window: WindowInputs, num_tokens,
@@ -257,14 +340,23 @@ def param_shapes(cfg: ModelConfig) -> dict:
                 q_a=(cfg.q_lora_rank, D), q_a_norm=(cfg.q_lora_rank,), q_b=(nh * qk, cfg.q_lora_rank))
             attn.update(kv_a=(L + cfg.qk_rope_head_dim, D), kv_a_norm=(L,),
                         kv_b=(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), L), o=(D, nh * cfg.v_head_dim))
+            if cfg.mla_output_gate:
+                attn["g"] = (nh * cfg.v_head_dim, D)
         if m == "dense":
             mlp = dense(cfg.intermediate_size)
         else:
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
-            mlp = dict(router=(E, D), bias=(E,), gate_up=(E, 2 * I, D), down=(E, D, I),
+            E, I, Z = cfg.num_experts, cfg.moe_intermediate_size, cfg.latent_moe_size or D
+            mlp = dict(router=(E, D), bias=(E,), gate_up=(E, 2 * I, Z), down=(E, Z, I),
                        shared=dense(I * cfg.n_shared_experts))
-        layers.append(dict(input_norm=(D,), post_norm=(D,), attn=attn, mlp=mlp))
+            if cfg.latent_moe_size:
+                mlp.update(latent_down=(Z, D), latent_up=(D, Z), **({"latent_norm": (Z,)} if cfg.latent_moe_norm else {}))
+        layer = dict(input_norm=(D,), post_norm=(D,), attn=attn, mlp=mlp)
+        if cfg.attn_res_block_size:
+            layer.update(attn_res_proj=(D,), attn_res_norm=(D,), mlp_res_proj=(D,), mlp_res_norm=(D,))
+        layers.append(layer)
     out = dict(embed=(cfg.vocab_size, D), norm=(D,), layers=layers)
+    if cfg.attn_res_block_size:
+        out.update(out_res_proj=(D,), out_res_norm=(D,))
     if not cfg.tie_word_embeddings:
         out["lm_head"] = (cfg.vocab_size, D)
     return out
@@ -273,19 +365,23 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale: float = 0.05):
     """Random params for tests and benchmarks: normal weights, norms near 1, gate parameters in
     their usual ranges (``A_log = log U(1, 16)``, ``dt_bias ~ N(0, 1)``)."""
-    shapes = param_shapes(cfg)
+    return init_tree(param_shapes(cfg), key, dtype, scale)
+
+
+def init_tree(shapes, key, dtype=jnp.float32, scale: float = 0.05):
+    """:func:`init_params` for any subtree of :func:`param_shapes` (e.g. one layer)."""
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, shape), k in zip(leaves, keys):
-        name = getattr(path[-1], "key", "")
-        if "norm" in name:
-            x = 1.0 + 0.1 * jax.random.normal(k, shape)
-        elif name == "A_log":
-            x = jnp.log(jax.random.uniform(k, shape, minval=1.0, maxval=16.0))
-        elif name in ("dt_bias", "bias"):
-            x = (1.0 if name == "dt_bias" else 0.1) * jax.random.normal(k, shape)
-        else:
-            x = scale * jax.random.normal(k, shape)
-        out.append(x.astype(dtype))
+    out = [_init_leaf(getattr(path[-1], "key", ""), shape, k, scale).astype(dtype)
+           for (path, shape), k in zip(leaves, keys)]
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _init_leaf(name: str, shape, k, scale):
+    if "norm" in name:
+        return 1.0 + 0.1 * jax.random.normal(k, shape)
+    if name == "A_log":
+        return jnp.log(jax.random.uniform(k, shape, minval=1.0, maxval=16.0))
+    if name in ("dt_bias", "bias"):
+        return (1.0 if name == "dt_bias" else 0.1) * jax.random.normal(k, shape)
+    return scale * jax.random.normal(k, shape)

@@ -58,9 +58,23 @@ class RequestError(ValueError):
     """A request that can never be served (the reason is the message)."""
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # accepted seeds; negative seeds are taken modulo 2**64
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this (but > 0) samples greedily, like temperature 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling: greedy when ``temperature == 0``; ``top_k = 0`` and ``top_p = 1`` disable those filters."""
+    """Sampling: greedy when ``temperature < GREEDY_TEMPERATURE`` (0 included); ``top_k = 0`` and
+    ``top_p = 1`` disable those filters; ``seed`` is any integer in ``[SEED_MIN, SEED_MAX]``
+    (``[-2**63, 2**64 - 1]``; negative seeds are taken modulo ``2**64``) or None."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -70,14 +84,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def validate(self):
-        if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (_is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise RequestError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
 
 
 @dataclass
@@ -449,7 +467,13 @@ class Engine:
                     self._emit(r, logits[r.slot, n])  # greedy rows: preds[r.slot, n]
 
     def _emit(self, r: _Req, logits: np.ndarray):
-        self._emit_token(r, sample(logits, r.sp, len(r.out)))
+        try:
+            tok = sample(logits, r.sp, len(r.out))
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
+            log.exception("sampling failed for request %d", r.rid)
+            self._finish(r, f"error: sampling failed: {e!r}")
+            return
+        self._emit_token(r, tok)
 
     def _emit_token(self, r: _Req, tok: int):
         now = time.perf_counter() - r.t0
@@ -489,14 +513,19 @@ class Engine:
 
 def sample(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
     """Pick a token from ``logits [V]``: greedy, or temperature / top-k / top-p with a per-request
-    seed (the ``index``-th draw of a seeded request is reproducible)."""
-    if sp.temperature == 0:
+    seed (the ``index``-th draw of a seeded request is reproducible). Non-finite logits never
+    reach the random draw: they fall back to the greedy pick among the finite ones."""
+    logits = np.asarray(logits, np.float64)
+    if sp.temperature < GREEDY_TEMPERATURE:
+        return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
+    x = np.where(np.isfinite(logits), logits, -np.inf)
+    if not np.isfinite(x).any():
         return int(np.argmax(logits))
-    x = logits.astype(np.float64) / sp.temperature
+    x = (x - x.max()) / sp.temperature  # shift first: no overflow for any temperature >= the floor
     if sp.top_k:
         kth = np.sort(x)[-min(sp.top_k, x.size)]
         x = np.where(x < kth, -np.inf, x)
-    p = np.exp(x - x.max())
+    p = np.exp(x)
     p /= p.sum()
     if sp.top_p < 1:
         order = np.argsort(-p)
@@ -505,9 +534,8 @@ def sample(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
         mask[order[keep]] = True
         p = np.where(mask, p, 0)
         p /= p.sum()
-    rng = np.random.default_rng(None if sp.seed is None else (sp.seed, index))
+    rng = np.random.default_rng(None if sp.seed is None else (int(sp.seed) % 2**64, index))
     return int(rng.choice(p.size, p=p))
-
 
 
 # Device functions, jitted at module level with the config and kernels static, so engines of one

@@ -1,87 +1,207 @@
-"""``k3jax-serve``: the engine loop behind an OpenAI-compatible HTTP API.
+"""``k3jax-serve``: the engine loop behind an OpenAI-compatible HTTP API (FastAPI on uvicorn).
 
-Endpoints: ``POST /v1/completions`` (``prompt`` as text or a list of token ids; ``max_tokens``,
-``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_token_ids``, ``stream``), ``GET /health``,
-``GET /metrics`` (Prometheus text). Bad input gets a 400 with the reason and never reaches the
-loop; a client that disconnects while streaming has its request aborted and its pages freed.
+Endpoints:
+
+- ``POST /v1/completions``: ``prompt`` as text, token ids, or a list of either (one choice set per
+  prompt); ``echo`` prepends the prompt text.
+- ``POST /v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template when it
+  has one (``tokenizer_config.json``'s ``chat_template``, through jinja2); otherwise by the
+  fallback template: one ``"{role}: {content}\\n"`` line per message, then ``"assistant:"``.
+- ``GET /v1/models``, ``GET /health`` (503 while the engine loop keeps failing), ``GET /metrics``
+  (Prometheus: counters, gauges, and TTFT / inter-token / end-to-end latency and length histograms).
+
+Parameters: ``max_tokens`` (completions default 16; chat default: the rest of the context) or
+``max_completion_tokens``, ``temperature`` (default 0 = greedy; below 1e-5 samples greedily),
+``top_p``, ``top_k`` (0 or -1: off), ``seed`` (an integer in ``[-2**63, 2**64 - 1]``; choice ``i``
+of ``n`` uses ``seed + i``), ``n``, ``stop`` (strings, not included in the text), ``stop_token_ids``,
+``ignore_eos``, ``stream`` with ``stream_options.include_usage``, ``user`` and ``model`` (must be
+the served model's name). The checkpoint's ``eos_token_id`` stops generation. Parameters the
+server does not implement (``logprobs``, ``top_logprobs``, ``best_of`` other than ``n``,
+``suffix``, penalties, ``logit_bias``, tools, any unknown field) get a 400 that names them.
+
+Tokenizers: the embedded model's bytes; a checkpoint's ``tokenizer.json`` (tokenizers) or Kimi's
+``tiktoken.model`` with ``tokenizer_config.json`` (tiktoken); streamed text never splits a character.
+
+Errors use OpenAI's JSON shape. Limits: request body size (413), body read timeout (408), a
+bounded waiting queue (429 with ``Retry-After``), a per-request deadline; a client that goes away
+(streaming or not) has its requests aborted and their slots and pages freed. A request whose
+processing fails inside the engine fails alone (500 with the reason); the loop goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
-import os
-import queue
 import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
+import uuid
+from typing import Literal
 
-from serving.engine import Engine, RequestError, SamplingParams
-from serving.http_base import JSONHandler
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serving.engine import SEED_MAX, SEED_MIN, Engine, RequestError, SamplingParams
+from serving.http_base import APIError, BackgroundServer, error_body, error_response, install_error_handlers, read_json
+from serving.tokenizers import Detokenizer, load_tokenizer, render_chat
 
 log = logging.getLogger("k3jax.server")
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (the embedded default model's vocabulary of 256)."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+# ---------------------------------------------------------------- request models
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class HFTokenizer:
-    """A checkpoint directory's tokenizer through ``tokenizers`` (when installed)."""
-
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
-        self.tok = Tokenizer.from_file(path)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
+class StreamOptions(_Strict):
+    include_usage: bool = False
 
 
-class NoTokenizer:
-    """For checkpoints without a tokenizer file: prompts must be token-id lists."""
-
-    def encode(self, text: str) -> list[int]:
-        raise RequestError("this model has no tokenizer (no tokenizer.json in its directory): send the prompt as token ids")
-
-    def decode(self, ids: list[int]) -> str:
-        return ""
-
-
-def load_tokenizer(model: str):
-    """The embedded model's byte tokenizer, a checkpoint's ``tokenizer.json``, or :class:`NoTokenizer`."""
-    if model == "tiny":
-        return ByteTokenizer()
-    path = os.path.join(model, "tokenizer.json")
-    if os.path.exists(path):
-        return HFTokenizer(path)
-    log.warning("no tokenizer.json in %s: prompts must be token-id lists", model)
-    return NoTokenizer()
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = Field(1, ge=1, le=64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
 
 
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatChoiceMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unsupported parameter: {'.'.join(loc)}", param=loc[0])
+    return APIError(400, f"{'.'.join(loc) or 'body'}: {err['msg']}" + (f" (got {err['input']!r:.80})" if "input" in err else ""),
+                    param=loc[0] if loc else None)
+
+
+def _unsupported(req: _Sampling):
+    """400 for parameters given with a value the server does not implement."""
+    checks = [("presence_penalty", req.presence_penalty != 0), ("frequency_penalty", req.frequency_penalty != 0),
+              ("logit_bias", bool(req.logit_bias))]
+    if isinstance(req, CompletionRequest):
+        checks += [("logprobs", req.logprobs is not None), ("suffix", req.suffix is not None),
+                   ("best_of", req.best_of is not None and req.best_of != req.n)]
+    else:
+        checks += [("logprobs", req.logprobs), ("top_logprobs", req.top_logprobs is not None)]
+    for name, bad in checks:
+        if bad:
+            raise APIError(400, f"parameter {name} is not supported by this server", param=name)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+# ---------------------------------------------------------------- engine loop
 class EngineLoop:
-    """Runs ``engine.step()`` on a background thread whenever there is work."""
+    """Runs ``engine.step()`` on a background thread whenever there is work, isolating failures:
+    a request whose sampling fails is finished with an ``error:`` reason by the engine alone; a
+    step that raises fails the requests that were running in it (their reason is kept in
+    ``failed``) and the loop goes on with the rest. ``/health`` is 503 only while steps keep failing."""
+
+    UNHEALTHY_AFTER = 5  # consecutive failed steps
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.wake = threading.Event()
         self.stop = False
         self.error: BaseException | None = None
+        self.consecutive_failures = 0
+        self.step_failures = 0
+        self.failed: dict[int, str] = {}
+        self.tracked: dict[int, object] = {}  # rid -> engine request, until it finishes
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.thread.is_alive() and self.consecutive_failures < self.UNHEALTHY_AFTER
 
     def _run(self):
         while not self.stop:
@@ -91,123 +211,530 @@ class EngineLoop:
                 continue
             try:
                 self.engine.step()
-            except Exception as e:  # keep serving; the failure is visible in /health and the log
+                self.consecutive_failures = 0
+            except Exception as e:  # noqa: BLE001 - isolate, keep serving
                 log.exception("engine step failed")
-                self.error = e
-                time.sleep(0.1)
+                self.error, self.step_failures = e, self.step_failures + 1
+                self.consecutive_failures += 1
+                try:
+                    self._isolate(e)
+                except Exception:  # noqa: BLE001
+                    log.exception("isolating a failed step failed")
+                time.sleep(min(0.01 * 2 ** self.consecutive_failures, 1.0))
+
+    def _isolate(self, e: BaseException):
+        reason = f"error: the engine failed while serving this request: {e!r}"
+        eng = self.engine
+        running = list(eng.running.values())
+        for r in running:
+            self.failed.setdefault(r.rid, reason)
+            eng.abort(r)  # finished (slot and pages released) at the start of the next step
+        if self.consecutive_failures >= 3:  # even the aborts fail: drop them by hand
+            for r in running:
+                eng.running.pop(r.rid, None)
+                if r.slot >= 0 and r.slot not in eng.free_slots:
+                    eng.free_slots.append(r.slot)
+                self._fail_directly(r)
+        queued = {r.rid for r in list(eng.waiting)}
+        with self.lock:
+            tracked = list(self.tracked.values())
+        for r in tracked:  # taken off the queue by the failed step, never admitted
+            if not r.finished.is_set() and r.rid not in eng.running and r.rid not in queued:
+                self.failed.setdefault(r.rid, reason)
+                self._fail_directly(r)
+
+    def _fail_directly(self, r):
+        if not r.finished.is_set():
+            r.finished.set()
+            if r.on_token is not None:
+                r.on_token(None)
 
     def submit(self, prompt, sp, on_token):
         req = self.engine.submit(prompt, sp, on_token)
+        with self.lock:
+            self.tracked[req.rid] = req
         self.wake.set()
         return req
 
+    def untrack(self, req):
+        with self.lock:
+            self.tracked.pop(req.rid, None)
+        self.failed.pop(req.rid, None)
 
-def _parse(body: dict, tokenizer, engine: Engine):
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = prompt
-    else:
-        raise RequestError("prompt must be a string or a list of token ids")
-    try:
-        sp = SamplingParams(
-            max_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 0.0)),
-            top_k=int(body.get("top_k", 0)), top_p=float(body.get("top_p", 1.0)),
-            seed=None if body.get("seed") is None else int(body["seed"]),
-            stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids", ())),
-        )
-    except (TypeError, ValueError) as e:
-        raise RequestError(f"bad sampling parameter: {e}") from None
-    engine.validate(ids, sp)
-    return ids, sp
+    def abort(self, req):
+        self.engine.abort(req)
+        self.wake.set()
 
 
-def make_handler(loop: EngineLoop, tokenizer, model_name: str):
-    engine = loop.engine
+# ---------------------------------------------------------------- metrics
+class _EngineCollector:
+    """Engine counters and gauges read at scrape time."""
 
-    class Handler(JSONHandler):
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
 
-        def do_GET(self):
-            if self.path == "/health":
-                ok = loop.error is None and loop.thread.is_alive()
-                self._json(200 if ok else 503, {"status": "ok" if ok else f"unhealthy: {loop.error!r}"})
-            elif self.path == "/metrics":
-                m = dict(engine.metrics)
-                if engine.cache is not None:
-                    m.update({f"cache_{k}": v for k, v in engine.cache.metrics.items()})
-                lines = []
-                for k, v in sorted(m.items()):
-                    name = f"k3jax_{k}" + ("_total" if not k.endswith("_s") else "")
-                    lines += [f"# TYPE {name} counter", f"{name} {v}"]
-                self._metrics(lines)
-            else:
-                self._error(404, f"no route {self.path}")
+    def collect(self):
+        eng = self.loop.engine
+        m = dict(eng.metrics)
+        for k, v in sorted(m.items()):
+            if k == "ttft_sum_s":
+                continue
+            yield _counter(f"k3jax_{k}", f"engine counter {k}", v)
+        if eng.cache is not None:
+            for k, v in sorted(eng.cache.metrics.items()):
+                yield _counter(f"k3jax_cache_{k}", f"prefix cache counter {k}", v)
+        yield _counter("k3jax_engine_step_failures", "engine steps that raised (their requests failed)",
+                       self.loop.step_failures)
+        yield _gauge("k3jax_num_requests_running", "requests holding a slot", len(eng.running))
+        yield _gauge("k3jax_num_requests_waiting", "requests queued for a slot", len(eng.waiting))
+        yield _gauge("k3jax_free_slots", "free decode slots", len(eng.free_slots))
+        if eng.pool is not None:
+            yield _gauge("k3jax_pool_free_pages", "free pages in the prefix-cache pool", eng.pool.num_free)
+        yield _gauge("k3jax_healthy", "1 while the engine loop serves", int(self.loop.healthy))
 
-        def do_POST(self):
-            if self.path != "/v1/completions":
-                return self._error(404, f"no route {self.path}")
+
+def _counter(name, doc, v):
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], v)
+    return c
+
+
+def _gauge(name, doc, v):
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], v)
+    return g
+
+
+class Metrics:
+    def __init__(self, loop: EngineLoop):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(loop))
+        lat = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        toks = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+        r = self.registry
+        self.ttft = Histogram("k3jax_time_to_first_token_seconds", "time to first token", buckets=lat, registry=r)
+        self.itl = Histogram("k3jax_inter_token_latency_seconds", "time between tokens of a choice", buckets=lat,
+                             registry=r)
+        self.e2e = Histogram("k3jax_e2e_request_latency_seconds", "request arrival to last token", buckets=lat,
+                             registry=r)
+        self.prompt_len = Histogram("k3jax_request_prompt_tokens", "prompt length", buckets=toks, registry=r)
+        self.output_len = Histogram("k3jax_request_generation_tokens", "generated tokens per choice", buckets=toks,
+                                    registry=r)
+        from prometheus_client import Counter
+
+        self.http = Counter("k3jax_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                            registry=r)
+
+
+# ---------------------------------------------------------------- serving one request
+class _Choice:
+    """One engine request as the async side sees it: tokens, text (stop strings applied) and state."""
+
+    def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: set[int], prefix_text: str = ""):
+        self.index, self.detok, self.stop, self.stop_ids = index, Detokenizer(tokenizer), stop, stop_ids
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text, self.sent, self.token_ids = prefix_text, 0, []
+        self.start = len(prefix_text)  # stop strings are searched after the echoed prompt
+        self.req = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.last_t: float | None = None
+
+    def add(self, tok: int) -> bool:
+        """A generated token; True when a stop string ended the choice."""
+        if self.finish_reason is not None:
+            return False
+        self.token_ids.append(tok)
+        if tok in self.stop_ids:
+            return False
+        return self._extend(self.detok.add(tok))
+
+    def _extend(self, delta: str) -> bool:
+        if not delta:
+            return False
+        search_from = max(self.start, len(self.text) - self.holdback)
+        self.text += delta
+        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+            return True
+        return False
+
+    def finish(self, engine_reason: str, failed: str | None):
+        if self.finish_reason is not None:
+            return
+        reason = failed or engine_reason
+        if reason.startswith(("error", "rejected")):
+            self.error = reason
+            self.finish_reason = "error"
+            return
+        self._extend(self.detok.flush())
+        if self.finish_reason is None:
+            self.finish_reason = {"stop": "stop", "length": "length"}.get(reason, reason)
+
+    def pending_text(self) -> str:
+        """Text not yet streamed (keeping back what could start a stop string while running)."""
+        end = len(self.text) if self.finish_reason is not None else max(self.sent, len(self.text) - self.holdback)
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
+
+
+class App:
+    """The FastAPI application around one engine loop."""
+
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str = "k3jax-tiny", max_waiting: int = 256,
+                 max_body_bytes: int = 4 << 20, body_timeout_s: float = 30.0, request_timeout_s: float = 600.0,
+                 loop: EngineLoop | None = None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.loop = loop or EngineLoop(engine)
+        self.max_waiting, self.max_body_bytes = max_waiting, max_body_bytes
+        self.body_timeout_s, self.request_timeout_s = body_timeout_s, request_timeout_s
+        self.eos = engine.cfg.eos_token_id
+        self.metrics = Metrics(self.loop)
+        self.created = int(time.time())
+        self.app = self._build()
+
+    # ---- routes
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="k3jax-serve", docs_url=None, redoc_url=None, openapi_url=None)
+        install_error_handlers(app)
+
+        app.add_middleware(_CountStatus, counter=self.metrics.http)
+
+        @app.get("/health")
+        async def health():
+            ok = self.loop.healthy
+            body = {"status": "ok"} if ok else {"status": f"unhealthy: {self.loop.error!r}"}
+            return JSONResponse(body, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                                "owned_by": "k3jax", "max_model_len": self.engine.max_len}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await read_json(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
             try:
-                n = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(n) or b"null")
-                if not isinstance(body, dict):
-                    raise RequestError("the body must be a JSON object")
-                ids, sp = _parse(body, tokenizer, engine)
-            except (RequestError, json.JSONDecodeError, ValueError) as e:
-                return self._error(400, str(e))
-            tokens: queue.Queue = queue.Queue()
-            req = loop.submit(ids, sp, tokens.put)
-            created = int(time.time())
-            if not body.get("stream"):
-                req.finished.wait()
-                r = req.result
-                if r.finish_reason.startswith("rejected"):
-                    return self._error(503, r.finish_reason)
-                return self._json(200, {
-                    "id": f"cmpl-{r.request_id}", "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
-                                 "finish_reason": r.finish_reason}],
-                    "usage": {"prompt_tokens": len(ids), "completion_tokens": len(r.token_ids),
-                              "total_tokens": len(ids) + len(r.token_ids), "cached_tokens": r.num_cached_tokens},
-                })
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
+                req = CompletionRequest.model_validate(body)
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            return await self._serve(request, req, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await read_json(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
             try:
-                while True:
-                    tok = tokens.get()
-                    if tok is None:
-                        r = req.result
-                        chunk = {"choices": [{"index": 0, "text": "", "finish_reason": r.finish_reason}]}
-                        self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
-                        self.wfile.flush()
-                        break
-                    chunk = {"id": f"cmpl-{req.rid}", "object": "text_completion", "created": created, "model": model_name,
-                             "choices": [{"index": 0, "text": tokenizer.decode([tok]), "token_ids": [tok],
-                                          "finish_reason": None}]}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                    self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                engine.abort(req)  # the client went away: free its slot and pages
-                loop.wake.set()
-            self.close_connection = True
+                req = ChatRequest.model_validate(body)
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            return await self._serve(request, req, chat=True)
 
-    return Handler
+        return app
+
+    # ---- request -> engine requests
+    def _prompts(self, req, chat: bool) -> list[tuple[list[int], str]]:
+        """``(token ids, prompt text for echo)`` per prompt."""
+        try:
+            if chat:
+                msgs = []
+                for m in req.messages:
+                    content = m.content if isinstance(m.content, str) or m.content is None else \
+                        "".join(p.text for p in m.content)
+                    msgs.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name else {}))
+                text = render_chat(self.tokenizer, msgs)
+                return [(self.tokenizer.encode(text), text)]
+            p = req.prompt
+            if isinstance(p, str):
+                return [(self.tokenizer.encode(p), p)]
+            if not p:
+                raise RequestError("empty prompt")
+            if all(isinstance(t, int) for t in p):
+                return [(list(p), self.tokenizer.decode(p))]
+            return [(self.tokenizer.encode(x), x) if isinstance(x, str) else (list(x), self.tokenizer.decode(x))
+                    for x in p]
+        except RequestError as e:
+            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+
+    def _params(self, req, chat: bool, prompt_len: int) -> list[SamplingParams]:
+        max_tokens = req.max_tokens
+        if chat and req.max_completion_tokens is not None:
+            if max_tokens is not None and max_tokens != req.max_completion_tokens:
+                raise APIError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+            max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.engine.max_len - prompt_len) if chat else 16
+        stop_ids = tuple(req.stop_token_ids or ())
+        if self.eos is not None and not req.ignore_eos and self.eos not in stop_ids:
+            stop_ids += (self.eos,)
+        top_k = 0 if req.top_k == -1 else req.top_k
+        if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+            raise APIError(400, f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}", param="seed")
+        out = []
+        for i in range(req.n):
+            seed = None if req.seed is None else (req.seed if i == 0 else (req.seed + i) % 2**64)
+            out.append(SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=top_k,
+                                      top_p=req.top_p, seed=seed, stop_token_ids=stop_ids))
+        return out
+
+    async def _serve(self, request: Request, req, chat: bool):
+        t_arrival = time.perf_counter()
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist (this server serves {self.model_name!r})",
+                           param="model", code="model_not_found")
+        _unsupported(req)
+        prompts = self._prompts(req, chat)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        plan = []  # (prompt ids, prompt text, params)
+        for ids, text in prompts:
+            sps = self._params(req, chat, len(ids))
+            for sp in sps:
+                try:
+                    self.engine.validate(ids, sp)
+                except RequestError as e:
+                    raise APIError(400, str(e)) from None
+                plan.append((ids, text, sp))
+        if len(self.engine.waiting) + len(plan) > self.max_waiting:
+            raise APIError(429, f"the server is busy ({len(self.engine.waiting)} requests waiting): retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+        aio = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        choices: list[_Choice] = []
+
+        def callback(index):
+            def on_token(tok):  # engine thread: must never raise
+                try:
+                    aio.call_soon_threadsafe(events.put_nowait, (index, tok, time.perf_counter()))
+                except RuntimeError:
+                    pass
+            return on_token
+
+        for i, (ids, text, sp) in enumerate(plan):
+            c = _Choice(i, self.tokenizer, stop, set(sp.stop_token_ids), text if (not chat and req.echo) else "")
+            try:
+                c.req = self.loop.submit(ids, sp, callback(i))
+            except RequestError as e:  # validated above; kept for safety
+                for d in choices:
+                    self.loop.abort(d.req)
+                raise APIError(400, str(e)) from None
+            self.metrics.prompt_len.observe(len(ids))
+            choices.append(c)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        ctx = _Ctx(rid, int(time.time()), t_arrival, chat, choices,
+                   sum(len(ids) for ids, _ in prompts), events, time.perf_counter() + self.request_timeout_s)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(ctx, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, ctx)
+
+    def _on_event(self, ctx: "_Ctx", index: int, tok, t: float):
+        """Apply one engine event to its choice; True when the choice just finished."""
+        c = ctx.choices[index]
+        if tok is None:
+            r = c.req.result
+            failed = self.loop.failed.get(c.req.rid)
+            c.finish(r.finish_reason if r is not None else "error: the request was lost", failed)
+            self.loop.untrack(c.req)
+            self.metrics.output_len.observe(len(c.token_ids))
+            if not c.done_observed:
+                c.done_observed = True
+                ctx.remaining -= 1
+            return True
+        if c.last_t is None:
+            self.metrics.ttft.observe(t - ctx.t_arrival)
+        else:
+            self.metrics.itl.observe(t - c.last_t)
+        c.last_t = t
+        if c.add(tok):  # a stop string: the engine request is no longer needed
+            self.loop.abort(c.req)
+        return False
+
+    async def _next(self, ctx: "_Ctx", request: Request | None):
+        """The next engine event, or None after 0.25 s without one; at most every 0.25 s the
+        deadline and (non-streaming) the client's connection are checked."""
+        try:
+            ev = await asyncio.wait_for(ctx.events.get(), 0.25)
+        except TimeoutError:
+            ev = None
+        now = time.perf_counter()
+        if ev is None or now - ctx.last_check > 0.25:
+            ctx.last_check = now
+            if now > ctx.deadline:
+                raise APIError(504, f"the request did not finish within {self.request_timeout_s:g} s")
+            if request is not None and await request.is_disconnected():
+                raise _Disconnected()
+        return ev
+
+    def _cleanup(self, ctx: "_Ctx"):
+        for c in ctx.choices:
+            if not c.req.finished.is_set():
+                self.loop.abort(c.req)
+            self.loop.untrack(c.req)
+        self.metrics.e2e.observe(time.perf_counter() - ctx.t_arrival)
+
+    async def _complete(self, request: Request, ctx: "_Ctx"):
+        try:
+            while ctx.remaining:
+                ev = await self._next(ctx, request)
+                if ev is not None:
+                    self._on_event(ctx, *ev)
+        except _Disconnected:
+            log.info("client left: aborted %s", ctx.rid)
+            return Response(status_code=499)
+        finally:
+            self._cleanup(ctx)
+        errors = [c.error for c in ctx.choices if c.error]
+        if errors:
+            e = errors[0]
+            status = 503 if e.startswith("rejected") else 500
+            raise APIError(status, e, code="engine_error")
+        usage = ctx.usage()
+        if ctx.chat:
+            return ChatResponse(id=ctx.rid, created=ctx.created, model=self.model_name, usage=usage, choices=[
+                ChatChoice(index=c.index, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason)
+                for c in ctx.choices]).model_dump()
+        return CompletionResponse(id=ctx.rid, created=ctx.created, model=self.model_name, usage=usage, choices=[
+            CompletionChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
+            for c in ctx.choices]).model_dump()
+
+    async def _stream(self, ctx: "_Ctx", include_usage: bool):
+        base = {"id": ctx.rid, "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+                "created": ctx.created, "model": self.model_name}
+
+        def chunk(choices, usage=None):
+            d = dict(base, choices=choices)
+            if include_usage:
+                d["usage"] = usage
+            return f"data: {json.dumps(d)}\n\n"
+
+        def choice(c: _Choice, text: str, tok: list[int], finish):
+            if ctx.chat:
+                return {"index": c.index, "delta": {"content": text} if text or finish is None else {},
+                        "logprobs": None, "finish_reason": finish}
+            return {"index": c.index, "text": text, "token_ids": tok, "logprobs": None, "finish_reason": finish}
+
+        try:
+            if ctx.chat:
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for c in ctx.choices])
+            elif any(c.text for c in ctx.choices):  # echo
+                yield chunk([choice(c, c.pending_text(), [], None) for c in ctx.choices])
+            while ctx.remaining:
+                try:
+                    ev = await self._next(ctx, None)
+                except APIError as e:
+                    yield _error_event(e.status, e.message)
+                    return
+                if ev is None:
+                    continue
+                index, tok, _ = ev
+                c = ctx.choices[index]
+                was_done = c.finish_reason is not None
+                done = self._on_event(ctx, *ev)
+                if c.error:
+                    yield _error_event(503 if c.error.startswith("rejected") else 500, c.error)
+                    return
+                if was_done and not done:
+                    continue  # tokens after a stop string
+                if tok is None:
+                    text = c.pending_text()
+                    if not was_done or text:
+                        yield chunk([choice(c, text, [], c.finish_reason)])
+                    continue
+                text = c.pending_text()
+                yield chunk([choice(c, text, [tok], c.finish_reason if c.finish_reason == "stop" and not was_done
+                                    else None)])
+            if include_usage:
+                d = dict(base, choices=[], usage=ctx.usage().model_dump())
+                yield f"data: {json.dumps(d)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self._cleanup(ctx)
 
 
-def serve(engine: Engine, tokenizer, *, host="127.0.0.1", port=8000, model_name="k3jax-tiny"):
-    """Start the engine loop and the HTTP server; returns ``(server, loop)`` (call ``server.serve_forever``)."""
-    loop = EngineLoop(engine)
-    server = ThreadingHTTPServer((host, port), make_handler(loop, tokenizer, model_name))
-    server.daemon_threads = True
-    return server, loop
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+class _CountStatus:
+    """Pure ASGI middleware: counts responses by endpoint and status and answers an unexpected
+    exception with a 500 in OpenAI's shape (no body buffering, so streaming and disconnect
+    detection are untouched)."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+
+        started = False
+
+        async def send_wrapper(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.counter.labels(path if path in _ROUTES else "other", str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as e:  # noqa: BLE001 - answer 500 in OpenAI's shape and keep the connection
+            log.exception("request failed")
+            if started:
+                raise
+            await error_response(500, f"internal error: {e!r}")(scope, receive, send_wrapper)
+
+
+def _error_event(status: int, message: str) -> str:
+    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n"
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class _Ctx:
+    def __init__(self, rid, created, t_arrival, chat, choices, prompt_tokens, events, deadline):
+        self.rid, self.created, self.t_arrival, self.chat, self.choices = rid, created, t_arrival, chat, choices
+        self.prompt_tokens, self.events, self.deadline = prompt_tokens, events, deadline
+        self.remaining = len(choices)
+        self.last_check = time.perf_counter()
+        for c in choices:
+            c.done_observed = False
+
+    def usage(self) -> Usage:
+        out = sum(len(c.token_ids) for c in self.choices)
+        cached = sum(c.req.result.num_cached_tokens for c in self.choices if c.req.result is not None)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=out, total_tokens=self.prompt_tokens + out,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+def build_app(engine: Engine, tokenizer, **kw) -> App:
+    """The FastAPI app (``.app``) and its engine loop (``.loop``) for ``engine``."""
+    return App(engine, tokenizer, **kw)
+
+
+def serve(engine: Engine, tokenizer, *, host="127.0.0.1", port=8000, model_name="k3jax-tiny", **kw):
+    """Start the engine loop and bind the HTTP server; returns ``(server, app)``: ``server.run()``
+    serves in the foreground, ``server.start()`` / ``server.stop()`` on a thread; ``server.port``."""
+    a = App(engine, tokenizer, model_name=model_name, **kw)
+    return BackgroundServer(a.app, host, port, log_level="warning"), a
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="k3jax-serve", description="Serve a Kimi Linear model over an OpenAI-compatible API.")
     ap.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Hugging Face checkpoint directory")
+    ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-slots", type=int, default=4)
@@ -218,6 +745,9 @@ def main(argv=None):
                     help="draft tokens per step for greedy requests (n-gram prompt lookup; 0 = off)")
     ap.add_argument("--spec-backoff", type=int, default=16,
                     help="most plain steps a request waits after windows with no accepted draft (0 = never wait)")
+    ap.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
     a = ap.parse_args(argv)
     if a.speculative < 0 or a.spec_backoff < 0:
         ap.error("--speculative and --spec-backoff must be >= 0")
@@ -231,12 +761,14 @@ def main(argv=None):
     engine.warmup(prefill=False)
     engine.generate([[3] * 8], max_tokens=2)
     print(f"k3jax-serve: warm in {time.perf_counter() - t0:.1f} s", flush=True)
-    server, _ = serve(engine, tokenizer, host=a.host, port=a.port, model_name=a.model)
-    print(f"k3jax-serve: listening on http://{a.host}:{server.server_address[1]}  "
-          f"(try: curl -s localhost:{server.server_address[1]}/v1/completions -d '{{\"prompt\": \"Hello\", \"max_tokens\": 8}}')",
+    name = a.served_model_name or ("k3jax-tiny" if a.model == "tiny" else a.model)
+    server, _ = serve(engine, tokenizer, host=a.host, port=a.port, model_name=name, max_waiting=a.max_waiting,
+                      max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout)
+    print(f"k3jax-serve: listening on http://{a.host}:{server.port}  "
+          f"(try: curl -s localhost:{server.port}/v1/completions -d '{{\"prompt\": \"Hello\", \"max_tokens\": 8}}')",
           flush=True)
     try:
-        server.serve_forever()
+        server.run()
     except KeyboardInterrupt:
         pass
     return 0

@@ -1,4 +1,5 @@
-"""The real HTTP server on loopback: concurrent clients, streaming, disconnects, bad input."""
+"""The real HTTP server (FastAPI on uvicorn) on loopback with the embedded tiny model: the official
+``openai`` client, streaming, bad input, failure isolation, disconnects, limits, metrics."""
 
 import http.client
 import json
@@ -6,107 +7,417 @@ import socket
 import threading
 import time
 
+import httpx
+import openai
 import pytest
 
-from serving.engine import Engine
-from serving.server import ByteTokenizer, HFTokenizer, NoTokenizer, load_tokenizer, serve
+import serving.engine as engine_mod
+from serving.engine import Engine, SamplingParams
+from serving.http_base import BackgroundServer
+from serving.server import App, serve
+from serving.tokenizers import (ByteTokenizer, Detokenizer, HFTokenizer, NoTokenizer, TiktokenTokenizer, load_tokenizer,
+                                render_chat)
+
+ENGINE_KW = dict(max_slots=4, max_len=256, prefill_chunk=32, prefix_cache=True, hash_tokens=64)
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine(max_slots=4, max_len=256, prefill_chunk=32, prefix_cache=True, hash_tokens=64)
-    srv, loop = serve(engine, ByteTokenizer(), port=0)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv.server_address[1], engine, loop
-    loop.stop = True
-    srv.shutdown()
+    engine = Engine(**ENGINE_KW)
+    srv, app = serve(engine, ByteTokenizer(), port=0, body_timeout_s=1.0, max_body_bytes=1 << 16)
+    srv.start()
+    yield srv.port, engine, app
+    app.loop.stop = True
+    srv.stop()
 
 
-def post(port, body, raw=None):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    c.request("POST", "/v1/completions", body=raw if raw is not None else json.dumps(body),
-              headers={"Content-Type": "application/json"})
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def post(port, body, raw=None, path="/v1/completions", headers=None, conn=None):
+    c = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", path, body=raw if raw is not None else json.dumps(body),
+              headers=headers if headers is not None else {"Content-Type": "application/json"})
     r = c.getresponse()
     data = r.read()
-    c.close()
+    if conn is None:
+        c.close()
     return r.status, json.loads(data) if data.startswith(b"{") else data
 
 
-def get(port, path):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+def get(port, path, conn=None):
+    c = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     c.request("GET", path)
     r = c.getresponse()
     return r.status, r.read().decode()
 
 
-def test_concurrent_clients_and_streaming(server):
-    port, engine, _ = server
-    prompts = ["Hello, KDA!", "The state is a matrix", [5, 6, 7, 8, 9], "x" * 100]
-    single = [post(port, {"prompt": p, "max_tokens": 6})[1]["choices"][0]["token_ids"] for p in prompts]
-    results = [None] * len(prompts)
-
-    def client(i):
-        results[i] = post(port, {"prompt": prompts[i], "max_tokens": 6})
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for (status, body), want in zip(results, single):
-        assert status == 200 and body["choices"][0]["token_ids"] == want
-        assert body["usage"]["completion_tokens"] == 6
-    # Streaming yields the same tokens, one event each, then [DONE].
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    c.request("POST", "/v1/completions", body=json.dumps({"prompt": prompts[0], "max_tokens": 6, "stream": True}))
-    events = [line[6:] for line in c.getresponse().read().decode().split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    toks = [t for e in events[:-1] for t in json.loads(e)["choices"][0].get("token_ids", [])]
-    assert toks == single[0]
-
-
-@pytest.mark.parametrize("body,raw", [
-    ({"prompt": ""}, None),
-    ({"prompt": [1, 2, 300]}, None),
-    ({"prompt": "hi", "temperature": -1}, None),
-    ({"prompt": "hi", "top_p": 2}, None),
-    ({"prompt": "hi", "max_tokens": "many"}, None),
-    ({"prompt": "x" * 300}, None),
-    ({"prompt": {"a": 1}}, None),
-    (None, b"{not json"),
-])
-def test_bad_input_gets_400_and_the_loop_survives(server, body, raw):
-    port, _, loop = server
-    status, resp = post(port, body, raw)
-    assert status == 400 and resp["error"]["message"]
-    assert post(port, {"prompt": "ok", "max_tokens": 2})[0] == 200
-    assert get(port, "/health")[0] == 200
-
-
-def test_disconnect_frees_the_request(server):
-    port, engine, _ = server
-    s = socket.create_connection(("127.0.0.1", port))
-    body = json.dumps({"prompt": "stream me", "max_tokens": 150, "stream": True}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    s.recv(200)  # headers and the first event arrived
-    s.close()
-    deadline = time.time() + 60
+def wait_idle(engine, timeout=60):
+    deadline = time.time() + timeout
     while time.time() < deadline and (engine.running or engine.waiting or len(engine.free_slots) < engine.max_slots):
-        time.sleep(0.05)
-    assert not engine.running and not engine.waiting
-    assert engine.metrics["requests_aborted"] == 1
-    assert len(engine.free_slots) == engine.max_slots
+        time.sleep(0.02)
+    assert not engine.running and not engine.waiting and len(engine.free_slots) == engine.max_slots
     engine.cache.check_invariants()
     assert all(engine.pool.refcount[p] == 0 for p in range(engine.pool.num_pages))
 
 
-def test_health_and_metrics(server):
+def greedy(engine, prompt: str, n: int, eos=True):
+    """The tokens the engine itself generates (the server adds the checkpoint's EOS as a stop token)."""
+    stop = (engine.cfg.eos_token_id,) if eos else ()
+    e = Engine(**ENGINE_KW)
+    return e.generate([list(prompt.encode())], max_tokens=n, stop_token_ids=stop)[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    _, engine, _ = server
+    e = Engine(**ENGINE_KW)
+    prompts = ["Hello, KDA!", "The state is a matrix", "x" * 100]
+    out = e.generate([list(p.encode()) for p in prompts], max_tokens=12, stop_token_ids=(engine.cfg.eos_token_id,))
+    return {p: r.token_ids for p, r in zip(prompts, out)}
+
+
+def test_openai_client_completions(client, server, reference):
+    port, engine, _ = server
+    (model,) = [m.id for m in client.models.list().data]
+    assert model == "k3jax-tiny"
+    # Concurrent clients get exactly what the engine generates alone; README's curl (no JSON content type) works.
+    results = {}
+    threads = [threading.Thread(target=lambda p=p: results.__setitem__(
+        p, client.completions.create(model=model, prompt=p, max_tokens=12))) for p in reference]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p, want in reference.items():
+        r = results[p]
+        assert r.model_extra is None or True
+        assert r.choices[0].model_extra["token_ids"] == want
+        assert r.usage.prompt_tokens == len(p.encode()) and r.usage.completion_tokens == len(want)
+        assert r.choices[0].text == ByteTokenizer().decode([t for t in want if t != engine.cfg.eos_token_id])
+    status, body = post(port, None, raw=b'{"prompt": "Hello, KDA!", "max_tokens": 12}',
+                        headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 200 and body["choices"][0]["token_ids"] == reference["Hello, KDA!"]
+
+    # Streaming: the same text, usage in the last chunk, ids/model/created on every chunk.
+    p = "The state is a matrix"
+    chunks = list(client.completions.create(model=model, prompt=p, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(c.id == chunks[0].id and c.model == model and c.created for c in chunks)
+    assert chunks[-1].usage.completion_tokens == len(reference[p]) and chunks[-1].choices == []
+    assert "".join(ch.text for c in chunks for ch in c.choices) == results[p].choices[0].text
+    assert [ch.finish_reason for c in chunks for ch in c.choices][-1] == results[p].choices[0].finish_reason
+
+    # n, seed (negative and huge), temperature / top_k / top_p; a seeded request is reproducible.
+    kw = dict(model=model, prompt="Hello", max_tokens=6, temperature=1.0, top_p=0.9, n=3,
+              extra_body={"top_k": 50})
+    for seed in (-1, 7, 2**64 - 1, -(2**63)):
+        a = client.completions.create(seed=seed, **kw)
+        b = client.completions.create(seed=seed, **kw)
+        assert [c.model_extra["token_ids"] for c in a.choices] == [c.model_extra["token_ids"] for c in b.choices]
+        assert [c.index for c in a.choices] == [0, 1, 2] and a.usage.completion_tokens == 18
+    # A tiny temperature samples greedily.
+    r = client.completions.create(model=model, prompt="Hello, KDA!", max_tokens=12, temperature=1e-320)
+    assert r.choices[0].model_extra["token_ids"] == reference["Hello, KDA!"]
+    # echo prepends the prompt; max_tokens counts only generated tokens.
+    r = client.completions.create(model=model, prompt="Hello, KDA!", max_tokens=12, echo=True)
+    assert r.choices[0].text.startswith("Hello, KDA!") and r.usage.completion_tokens == len(reference["Hello, KDA!"])
+    # Token-id prompts and a batch of prompts (one choice per prompt).
+    r = client.completions.create(model=model, prompt=[list(b"Hello, KDA!"), list(b"x" * 100)], max_tokens=12)
+    assert [c.model_extra["token_ids"] for c in r.choices] == [reference["Hello, KDA!"], reference["x" * 100]]
+    wait_idle(engine)
+
+
+def test_openai_client_chat(client, server):
+    port, engine, _ = server
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model="k3jax-tiny", messages=msgs, max_completion_tokens=8, seed=3)
+    prompt = "system: Be brief.\nuser: Hi\nassistant:"  # the fallback template
+    want = greedy(engine, prompt, 8)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(want)
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    assert r.choices[0].message.content == ByteTokenizer().decode([t for t in want if t != engine.cfg.eos_token_id])
+    chunks = list(client.chat.completions.create(model="k3jax-tiny", messages=msgs, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    # n > 1 and stop strings in chat; content parts.
+    r2 = client.chat.completions.create(model="k3jax-tiny", n=2, max_tokens=8, temperature=0.8, seed=1,
+                                        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    assert len(r2.choices) == 2
+    wait_idle(engine)
+
+
+def test_stop_strings_and_eos(server):
+    port, engine, app = server
+    toks = greedy(engine, "Hello, KDA!", 12, eos=False)
+    text = ByteTokenizer().decode(toks)
+    # A stop string from the middle of the greedy text: cut before it, finish_reason stop.
+    ascii_at = [i for i in range(2, len(toks)) if 32 < toks[i] < 127]
+    assert ascii_at, "the tiny model produced no ASCII byte to stop on"
+    stop_str = chr(toks[ascii_at[0]])
+    cut = ByteTokenizer().decode(toks[: ascii_at[0]])
+    cut = cut[: cut.find(stop_str)] if stop_str in cut else cut
+    body = {"prompt": "Hello, KDA!", "max_tokens": 12, "stop": [stop_str], "ignore_eos": True}
+    status, r = post(port, body)
+    assert status == 200 and r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/completions", body=json.dumps(body | {"stream": True}))
+    events = [json.loads(line[6:]) for line in c.getresponse().read().decode().splitlines()
+              if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == cut
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    # The checkpoint's eos_token_id stops generation (made to be the third greedy token here).
+    old = app.eos
+    app.eos = toks[2]
+    try:
+        status, r = post(port, {"prompt": "Hello, KDA!", "max_tokens": 12})
+        assert status == 200 and r["choices"][0]["token_ids"] == toks[:3] and r["choices"][0]["finish_reason"] == "stop"
+        status, r = post(port, {"prompt": "Hello, KDA!", "max_tokens": 12, "ignore_eos": True})
+        assert r["choices"][0]["token_ids"] == toks and r["choices"][0]["finish_reason"] == "length"
+        # stop_token_ids from the client as well
+        status, r = post(port, {"prompt": "Hello, KDA!", "max_tokens": 12, "ignore_eos": True,
+                                "stop_token_ids": [toks[4]]})
+        assert r["choices"][0]["token_ids"] == toks[: toks.index(toks[4]) + 1]
+    finally:
+        app.eos = old
+    assert text  # noqa: the greedy text is non-empty
+    wait_idle(engine)
+
+
+def test_detokenizer_never_splits_characters():
+    tok = ByteTokenizer()
+    text = "héllo wörld € 😀 ok"
+    d = Detokenizer(tok)
+    deltas = [d.add(b) for b in text.encode()] + [d.flush()]
+    assert "".join(deltas) == text and all("\ufffd" not in x for x in deltas)
+    # An incomplete sequence at the end comes out as a replacement character, once.
+    d = Detokenizer(tok)
+    deltas = [d.add(b) for b in "a€".encode()[:-1]] + [d.flush()]
+    assert "".join(deltas) == "a\ufffd"
+
+
+BAD = [
+    ("malformed json", b"{not json", 400),
+    ("not an object", b"[1, 2]", 400),
+    ("empty body", b"", 400),
+    ("empty prompt", {"prompt": ""}, 400),
+    ("empty id list", {"prompt": []}, 400),
+    ("out of vocabulary", {"prompt": [1, 2, 300]}, 400),
+    ("negative id", {"prompt": [1, -2]}, 400),
+    ("over-long prompt", {"prompt": "x" * 300}, 400),
+    ("prompt + max_tokens too long", {"prompt": "x" * 200, "max_tokens": 100}, 400),
+    ("prompt object", {"prompt": {"a": 1}}, 400),
+    ("no prompt", {"max_tokens": 3}, 400),
+    ("negative temperature", {"prompt": "hi", "temperature": -1}, 400),
+    ("top_p 2", {"prompt": "hi", "top_p": 2}, 400),
+    ("top_p 0", {"prompt": "hi", "top_p": 0}, 400),
+    ("top_k negative", {"prompt": "hi", "top_k": -5}, 400),
+    ("max_tokens string", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("max_tokens 0", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("max_tokens float", {"prompt": "hi", "max_tokens": 2.5}, 400),
+    ("max_tokens bool", {"prompt": "hi", "max_tokens": True}, 400),
+    ("max_tokens 1e400", b'{"prompt": "hi", "max_tokens": 1e400}', 400),
+    ("top_k 1e400", b'{"prompt": "hi", "top_k": 1e400}', 400),
+    ("seed 1e400", b'{"prompt": "hi", "seed": 1e400}', 400),
+    ("seed 2**64", {"prompt": "hi", "seed": 2**64}, 400),
+    ("seed below -2**63", {"prompt": "hi", "seed": -(2**63) - 1}, 400),
+    ("temperature NaN", b'{"prompt": "hi", "temperature": NaN}', 400),
+    ("temperature Infinity", b'{"prompt": "hi", "temperature": Infinity}', 400),
+    ("temperature 1e400", b'{"prompt": "hi", "temperature": 1e400}', 400),
+    ("n 0", {"prompt": "hi", "n": 0}, 400),
+    ("stop empty", {"prompt": "hi", "stop": [""]}, 400),
+    ("stop_token_ids strings", {"prompt": "hi", "stop_token_ids": ["a"]}, 400),
+    ("unknown field", {"prompt": "hi", "frobnicate": 1}, 400),
+    ("logprobs", {"prompt": "hi", "logprobs": 2}, 400),
+    ("best_of", {"prompt": "hi", "best_of": 3}, 400),
+    ("suffix", {"prompt": "hi", "suffix": "x"}, 400),
+    ("presence_penalty", {"prompt": "hi", "presence_penalty": 0.5}, 400),
+    ("stream_options without stream", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ("unknown model", {"prompt": "hi", "model": "gpt-5"}, 404),
+    ("oversized body", {"prompt": "x" * 70000}, 413),
+]
+BAD_CHAT = [
+    ("no messages", {"messages": []}, 400),
+    ("bad role", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("chat logprobs", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400),
+    ("tools", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400),
+    ("token mismatch", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                        "max_completion_tokens": 4}, 400),
+]
+
+
+@pytest.mark.parametrize("path,name,body,code", [("/v1/completions",) + b for b in BAD]
+                         + [("/v1/chat/completions",) + b for b in BAD_CHAT], ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_input_gets_4xx_and_the_connection_serves_on(server, path, name, body, code):
+    port, engine, _ = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    raw = body if isinstance(body, bytes) else None
+    status, resp = post(port, body, raw=raw, path=path, conn=conn)
+    assert status == code, (name, resp)
+    err = resp["error"]
+    assert err["message"] and err["type"] and "param" in err and "code" in err
+    if name in ("unknown field", "logprobs", "best_of", "suffix", "presence_penalty", "tools", "chat logprobs"):
+        assert err["param"] in ("frobnicate", "logprobs", "best_of", "suffix", "presence_penalty", "tools")
+        assert err["param"] in err["message"]
+    if code != 413:  # a 413 may close the connection (the body is not read)
+        assert post(port, {"prompt": "ok", "max_tokens": 2}, conn=conn)[0] == 200
+        assert get(port, "/health", conn=conn)[0] == 200
+    assert post(port, {"prompt": "ok", "max_tokens": 2})[0] == 200
+
+
+def test_http_level_errors(server):
+    port, engine, _ = server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    # Unknown route with a body, wrong method: JSON errors, the connection stays usable.
+    status, resp = post(port, {"prompt": "x" * 1000}, path="/v1/nope", conn=conn)
+    assert status == 404 and "no route" in resp["error"]["message"]
+    conn.request("GET", "/v1/completions")
+    r = conn.getresponse()
+    assert r.status == 405 and json.loads(r.read())["error"]["message"]
+    assert post(port, {"prompt": "ok", "max_tokens": 2}, conn=conn)[0] == 200
+    # A Content-Length larger than the body: 408 after the body timeout, not a stuck handler.
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": \"hi\"}")
+    assert s.recv(4096).startswith(b"HTTP/1.1 408")
+    s.close()
+    # A seed of -1 and a tiny temperature used to wedge the engine loop.
+    for body in ({"prompt": "Hello", "max_tokens": 4, "temperature": 1, "seed": -1},
+                 {"prompt": "Hello", "max_tokens": 4, "temperature": 1e-320}):
+        status, resp = post(port, body)
+        assert status == 200 and len(resp["choices"][0]["token_ids"]) <= 4
+    assert get(port, "/health")[0] == 200
+    wait_idle(engine)
+
+
+def test_failures_are_isolated(server, monkeypatch):
+    port, engine, app = server
+    real = engine_mod.sample
+
+    def flaky(logits, sp, index):
+        if sp.seed == 4242:
+            raise FloatingPointError("injected sampling failure")
+        return real(logits, sp, index)
+
+    monkeypatch.setattr(engine_mod, "sample", flaky)
+    out = {}
+
+    def run(key, body):
+        out[key] = post(port, body)
+
+    threads = [threading.Thread(target=run, args=("bad", {"prompt": "Hello", "max_tokens": 30, "temperature": 1,
+                                                          "seed": 4242})),
+               threading.Thread(target=run, args=("good", {"prompt": "Hello, KDA!", "max_tokens": 12}))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out["bad"][0] == 500 and "injected sampling failure" in out["bad"][1]["error"]["message"]
+    assert out["good"][0] == 200 and len(out["good"][1]["choices"][0]["token_ids"]) >= 1
+    monkeypatch.setattr(engine_mod, "sample", real)
+
+    # A whole step that raises fails the requests in it; the loop and later requests go on.
+    real_decode = engine._decode_step
+    calls = {"n": 0}
+
+    def broken_once():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected step failure")
+        return real_decode()
+
+    monkeypatch.setattr(engine, "_decode_step", broken_once)
+    status, resp = post(port, {"prompt": "Hello", "max_tokens": 5})
+    assert status == 500 and "injected step failure" in resp["error"]["message"]
+    monkeypatch.setattr(engine, "_decode_step", real_decode)
+    status, resp = post(port, {"prompt": "Hello, KDA!", "max_tokens": 12})
+    assert status == 200 and get(port, "/health")[0] == 200
+    wait_idle(engine)
+    assert 'k3jax_engine_step_failures_total 1.0' in get(port, "/metrics")[1]
+
+
+def test_disconnects_free_the_request(server, monkeypatch):
+    port, engine, _ = server
+    real_decode = engine._decode_step
+
+    def slow_decode():  # 200 tokens take seconds, so the disconnect is seen before the last one on a loaded machine
+        time.sleep(0.02)
+        return real_decode()
+
+    monkeypatch.setattr(engine, "_decode_step", slow_decode)
+    before = engine.metrics["requests_aborted"]
+    for stream in (True, False):
+        s = socket.create_connection(("127.0.0.1", port))
+        body = json.dumps({"prompt": "leave me", "max_tokens": 200, "stream": stream}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while stream and b"data: {" not in got:  # the first token event arrived
+            got += s.recv(4096)
+        deadline = time.time() + 30
+        while not engine.running and time.time() < deadline:
+            time.sleep(0.01)
+        s.close()
+        want = before + 1 + (not stream)
+        while engine.metrics["requests_aborted"] < want and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.metrics["requests_aborted"] == want and engine.metrics["generation_tokens"] < 10**6
+        wait_idle(engine)
+
+
+def test_queue_bound_and_load(server):
+    """64 concurrent clients: no connection errors; with a queue of 2, 429s with Retry-After."""
+    port, engine, app = server
+    small = App(engine, ByteTokenizer(), loop=app.loop, max_waiting=2)
+    srv = BackgroundServer(small.app).start()
+    try:
+        results = []
+        lock = threading.Lock()
+
+        def client(p, i):
+            with httpx.Client(timeout=120) as c:
+                r = c.post(f"http://127.0.0.1:{p}/v1/completions", json={"prompt": f"load {i}", "max_tokens": 3})
+            with lock:
+                results.append((p, r.status_code, r.headers.get("retry-after"), r.json()))
+
+        for p in (port, srv.port):
+            threads = [threading.Thread(target=client, args=(p, i)) for i in range(64)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        big = [r for r in results if r[0] == port]
+        assert len(big) == 64 and all(s == 200 for _, s, _, _ in big)
+        limited = [r for r in results if r[0] == srv.port]
+        codes = {s for _, s, _, _ in limited}
+        assert codes <= {200, 429} and 429 in codes and 200 in codes
+        assert all(ra == "1" and b["error"]["code"] == "queue_full" for _, s, ra, b in limited if s == 429)
+    finally:
+        srv.stop()
+    wait_idle(engine)
+
+
+def test_health_models_and_metrics(server):
     port, _, _ = server
-    assert get(port, "/health") == (200, json.dumps({"status": "ok"}))
+    assert get(port, "/health") == (200, json.dumps({"status": "ok"}, separators=(",", ":")))
+    status, models = get(port, "/v1/models")
+    assert status == 200 and json.loads(models)["data"][0]["id"] == "k3jax-tiny"
+    post(port, {"prompt": "metrics", "max_tokens": 3})
     status, text = get(port, "/metrics")
-    assert status == 200 and "k3jax_requests_total" in text and "k3jax_cache_hit_tokens_total" in text
+    assert status == 200
+    for line in ("# TYPE k3jax_requests_total counter", "# TYPE k3jax_cache_hit_tokens_total counter",
+                 "# TYPE k3jax_time_to_first_token_seconds histogram",
+                 "# TYPE k3jax_e2e_request_latency_seconds histogram",
+                 "# TYPE k3jax_inter_token_latency_seconds histogram",
+                 "# TYPE k3jax_num_requests_running gauge", "# TYPE k3jax_num_requests_waiting gauge",
+                 "# TYPE k3jax_pool_free_pages gauge"):
+        assert line in text, line
+    count = [ln for ln in text.splitlines() if ln.startswith("k3jax_time_to_first_token_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1
     assert get(port, "/nope")[0] == 404
 
 
@@ -121,18 +432,24 @@ def test_checkpoint_tokenizer_path(tmp_path):
     tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"]))
     (tmp_path / "ckpt").mkdir()
     tok.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}the state{% endif %}")
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template,
+                                                                          "bos_token": "[UNK]"}))
     hf = load_tokenizer(str(tmp_path / "ckpt"))
+    msgs = [{"role": "user", "content": "hello kda"}]
+    assert render_chat(hf, msgs) == "[UNK]user says hello kda\nthe state"
+    assert render_chat(ByteTokenizer(), msgs) == "user: hello kda\nassistant:"
     assert isinstance(hf, HFTokenizer) and isinstance(load_tokenizer(str(tmp_path)), NoTokenizer)
     assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
 
-    # Same engine shapes as the module fixture, so the compiled functions are reused.
-    engine = Engine(max_slots=4, max_len=256, prefill_chunk=32, prefix_cache=True, hash_tokens=64)
+    engine = Engine(**ENGINE_KW)
     for tokenizer in (hf, NoTokenizer()):
-        srv, loop = serve(engine, tokenizer, port=0)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        port = srv.server_address[1]
+        srv, app = serve(engine, tokenizer, port=0)
+        srv.start()
+        port = srv.port
         try:
-            status, body = post(port, {"prompt": "the state decays", "max_tokens": 4})
+            status, body = post(port, {"prompt": "the state decays", "max_tokens": 4, "ignore_eos": True})
             if tokenizer is hf:
                 assert status == 200, body
                 choice = body["choices"][0]
@@ -140,8 +457,62 @@ def test_checkpoint_tokenizer_path(tmp_path):
                 assert choice["text"] == hf.decode(choice["token_ids"]) and len(choice["token_ids"]) == 4
             else:
                 assert status == 400 and "token ids" in body["error"]["message"]
-            status, body = post(port, {"prompt": [5, 6, 7], "max_tokens": 2})
+            if tokenizer is hf:  # chat through the checkpoint's template
+                status, body = post(port, {"messages": msgs, "max_tokens": 3, "ignore_eos": True},
+                                    path="/v1/chat/completions")
+                assert status == 200, body
+                assert body["usage"]["prompt_tokens"] == len(hf.encode(render_chat(hf, msgs)))
+            status, body = post(port, {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})
             assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
         finally:
-            loop.stop = True
-            srv.shutdown()
+            app.loop.stop = True
+            srv.stop()
+
+
+def test_sampling_params_validate():
+    for bad in (dict(seed=-(2**63) - 1), dict(seed=2**64), dict(seed=1.5), dict(max_tokens=True),
+                dict(temperature=float("nan")), dict(top_k=1.0e400)):
+        with pytest.raises(engine_mod.RequestError):
+            SamplingParams(**bad).validate()
+    import numpy as np
+
+    logits = np.array([0.0, 3.0, 1.0])
+    for sp in (SamplingParams(temperature=1e-320), SamplingParams(temperature=1.0, seed=-1),
+               SamplingParams(temperature=1e-5, seed=2**64 - 1, top_k=2, top_p=0.5)):
+        sp.validate()
+        assert engine_mod.sample(logits, sp, 0) == 1
+    nan = np.array([np.nan, 1.0, np.inf])
+    assert engine_mod.sample(nan, SamplingParams(temperature=1.0, seed=1), 0) == 1
+
+
+def test_kimi_tiktoken_tokenizer(tmp_path):
+    """A Kimi-style directory: ``tiktoken.model`` ranks, special tokens and the chat template from
+    ``tokenizer_config.json``; text round-trips and streamed pieces never split a character."""
+    import base64
+
+    merges = [b"th", b"the", b" s", b" st", b"at", b"ate", "中".encode(), "中文".encode()]
+    ranks = [bytes([i]) for i in range(256)] + merges
+    (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n"
+                                                     for i, t in enumerate(ranks)))
+    n = len(ranks)
+    template = ("{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": {str(n): {"content": "[BOS]"}, str(n + 1): {"content": "[EOS]"},
+                                 str(n + 2): {"content": "<|im_end|>"}, str(n + 3): {"content": "<|im_user|>"},
+                                 str(n + 4): {"content": "<|im_assistant|>"}},
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": template}))
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, TiktokenTokenizer)
+    text = "the state 中文 héllo 😀 123456"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert ids[0] == ranks.index(b"the") and ranks.index("中文".encode()) in ids  # merges and the Han split
+    rendered = render_chat(tok, [{"role": "user", "content": "中文"}])
+    assert rendered == "<|im_user|>中文<|im_end|><|im_assistant|>"
+    assert tok.encode(rendered) == [n + 3, ranks.index("中文".encode()), n + 2, n + 4]
+    assert tok.encode("[EOS]") == [n + 1] and tok.decode([n + 1, 10**6]) == "[EOS]"
+    d = Detokenizer(tok)
+    byte_ids = [b for b in "é😀中".encode()]  # one byte per token: every character spans tokens
+    deltas = [d.add(i) for i in byte_ids] + [d.flush()]
+    assert "".join(deltas) == "é😀中" and all("\ufffd" not in x for x in deltas)

@@ -124,3 +124,33 @@ def test_sticky_routing_failover_and_streaming(fleet):
 
     status, _, data = _post(port, {"prompt": "", "max_tokens": 2}, "x")
     assert status == 400, "a backend's 4xx passes through"
+
+    # A backend's 4xx passes through and never marks it down.
+    up = router.healthy()
+    for _ in range(3):
+        assert _post(port, {"prompt": "hi", "max_tokens": 2, "top_k": 1e300}, "x")[0] == 400
+    assert router.healthy() == up
+
+    # /metrics in Prometheus types.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    assert "# TYPE k3jax_router_requests_total counter" in text and "# TYPE k3jax_router_backend_up gauge" in text
+
+    # A backend killed mid-stream: the stream ends with an error event, later requests are served.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "a long stream", "max_tokens": 200,
+                                                             "stream": True}), headers={"X-Session-Id": "cut"})
+    resp = conn.getresponse()
+    backend = resp.getheader("X-K3jax-Backend")
+    assert resp.status == 200 and backend in procs and backend != victim
+    first = b""
+    while b"data: {" not in first:
+        first += resp.read1(4096)
+    procs[backend].kill()
+    rest = resp.read().decode()
+    assert len(rest.split("data: {")) < 200, "killed mid-stream"
+    events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), rest[-500:]
+    backend2, tokens = _complete(port, "cut", "a long stream")
+    assert backend2 not in (backend, victim) and len(tokens) >= 1

@@ -68,7 +68,7 @@ class StepBatch(NamedTuple):
     written); state_src ``i32[R]`` the page its state is read from (its own slot, a prefix-cache
     checkpoint to resume from, or -1 for zero state); checkpoint ``i32[R]`` a page that also
     receives the row's final state (-1: none); temperature ``f32[R]`` (0: greedy), top_k
-    ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed ``i32[R]``.
+    ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed ``u32[R]``.
     """
 
     tokens: jax.Array
@@ -414,7 +414,7 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
                start=np.zeros(R, np.int32), block_tables=np.full((R, max_blocks), -1, np.int32),
                state_slot=np.full(R, -1, np.int32), state_src=np.full(R, -1, np.int32),
                checkpoint=np.full(R, -1, np.int32), temperature=np.zeros(R, np.float32),
-               top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32), seed=np.zeros(R, np.int32))
+               top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32), seed=np.zeros(R, np.uint32))
     placed = [(i, r) for i, r in enumerate(decode)] + [(num_decode + i, r) for i, r in enumerate(prefill)]
     lens = np.zeros(R, np.int32)
     lens[:num_decode] = 1

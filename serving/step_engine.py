@@ -1,0 +1,225 @@
+"""The engine on the serving step: :class:`Runner` (device: the unified page pool, one jitted
+step per bucket, compiled at start-up) under :class:`serving.scheduler.Scheduler` (host: one
+token budget per step, pages, preemption).
+
+Not yet here (issue 52): the prefix cache on the device pool, speculative decoding on the step,
+dispatching step N + 1 before reading step N's tokens. :class:`serving.engine.Engine` remains the
+server's engine until they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
+from k3jax.model.pool import PoolLayout
+from k3jax.model.step import StepKernels, jit_step, pack_batch, prepare_params
+from serving.engine import CONFIGS, RequestError, Result, SamplingParams, default_kernels
+from serving.page_pool import PagePool
+from serving.scheduler import Request, Scheduler, StepPlan
+
+log = logging.getLogger("k3jax.step_engine")
+
+
+def load_model(model, seed: int = 0):
+    """``(ModelConfig, reference params)`` from "tiny", "tiny-k3" (random weights), a checkpoint
+    directory, or a ``(ModelConfig, params)`` pair."""
+    if isinstance(model, tuple):
+        return model
+    if model in ("tiny", "tiny-k3"):
+        cfg = ModelConfig.from_json(os.path.join(CONFIGS, "tiny.json" if model == "tiny" else "tiny_k3.json"))
+        return cfg, init_params(cfg, jax.random.key(seed))
+    return load_hf_checkpoint(model)
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+class Runner:
+    """Device side: params, the page pool ``u32[num_pages, page_words]`` and one compiled step per
+    (decode rows, prefill tokens) bucket. ``run`` packs a plan into its bucket, runs the step
+    (pool donated) and returns the sampled ``int32`` token of every planned row."""
+
+    def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
+                 decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int):
+        self.cfg, self.params, self.lay, self.kernels = cfg, params, lay, kernels
+        self.num_pages, self.max_blocks, self.max_prefill_rows = num_pages, max_blocks, max_prefill_rows
+        self.decode_buckets, self.prefill_buckets = tuple(sorted(decode_buckets)), tuple(sorted(prefill_buckets))
+        self.pool = lay.allocate(num_pages)
+        self.compiled: set[tuple[int, int]] = set()
+        self.compiles_while_serving = 0
+
+    def bucket(self, num_decode: int, prefill_tokens: int) -> tuple[int, int]:
+        pick = lambda n, buckets: 0 if n == 0 else next(b for b in buckets if b >= n)
+        return pick(num_decode, self.decode_buckets), pick(prefill_tokens, self.prefill_buckets)
+
+    def _call(self, nd: int, tp: int, decode, prefill):
+        batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd + tp,
+                           num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
+                           num_pages=self.num_pages)
+        out, self.pool = jit_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, batch)
+        return out.tokens
+
+    def warmup(self):
+        """Compile every bucket on all-padding batches (they write nothing), with a progress line each."""
+        keys = [(nd, tp) for nd in (0,) + self.decode_buckets for tp in (0,) + self.prefill_buckets if nd or tp]
+        for i, (nd, tp) in enumerate(keys):
+            t0 = time.perf_counter()
+            jax.block_until_ready(self._call(nd, tp, [], []))
+            self.compiled.add((nd, tp))
+            log.info("compiled step %d/%d (decode rows %d, prefill tokens %d) in %.1fs", i + 1, len(keys), nd, tp,
+                     time.perf_counter() - t0)
+
+    def run(self, plan: StepPlan) -> np.ndarray:
+        nd, tp = self.bucket(len(plan.decode), sum(len(r.tokens) for r in plan.prefill))
+        if (nd, tp) not in self.compiled:
+            self.compiles_while_serving += 1
+            self.compiled.add((nd, tp))
+            log.warning("compiling step (decode rows %d, prefill tokens %d) while serving", nd, tp)
+        tokens = np.asarray(self._call(nd, tp, plan.decode, plan.prefill))
+        rows = list(range(len(plan.decode))) + [nd + i for i in range(len(plan.prefill))]
+        return tokens[rows]
+
+
+class StepEngine:
+    """Offline and online serving on the serving step.
+
+    Args:
+      model: see :func:`load_model`; dtype: weights and activations (bf16; float32 for exact tests).
+      max_running: decode rows per step; max_len: tokens per request (prompt + output).
+      token_budget: tokens per step (decode rows and prefill chunks); max_prefill_rows: prefill
+        chunks per step; max_chunk: tokens per chunk.
+      num_pages: pool pages (None: 90% of the device's free memory on an accelerator, else enough
+        for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
+        a KDA state page allows, a multiple of 16).
+      decode_buckets, prefill_buckets: compiled batch sizes (None: powers of two up to the limits).
+    """
+
+    def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
+                 token_budget: int = 512, max_prefill_rows: int = 4, max_chunk: int | None = None,
+                 num_pages: int | None = None, page_tokens: int | None = None, decode_buckets=None,
+                 prefill_buckets=None, kernels: StepKernels | None = None, seed: int = 0):
+        self.cfg, ref = load_model(model, seed)
+        self.max_len = max_len
+        lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype)
+        max_blocks = -(-max_len // lay.page_tokens)
+        params = prepare_params(self.cfg, ref, dtype)
+        if num_pages is None:
+            num_pages = _default_pages(lay, max_running, max_blocks)
+        if num_pages < max_blocks + 1:
+            raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
+                             f"({max_blocks} MLA pages of {lay.page_tokens} tokens + a state page)")
+        kernels = kernels or StepKernels(chunk_kda=default_kernels(self.cfg).chunk_kda)
+        max_chunk = max_chunk or token_budget
+        self.runner = Runner(self.cfg, params, lay, kernels, num_pages,
+                             decode_buckets=decode_buckets or _powers_of_two(1, max_running),
+                             prefill_buckets=prefill_buckets or _powers_of_two(16, token_budget),
+                             max_prefill_rows=max_prefill_rows, max_blocks=max_blocks)
+        self.sched = Scheduler(PagePool(num_pages, with_storage=False), lay.page_tokens, max_len=max_len,
+                               token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,
+                               max_chunk=max_chunk)
+        self._rng = np.random.default_rng(seed)
+        self.metrics = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
+                        "generation_tokens": 0, "steps": 0, "step_tokens": 0, "step_time_s": 0.0, "ttft_sum_s": 0.0}
+
+    def warmup(self):
+        self.runner.warmup()
+
+    @property
+    def preemptions(self) -> int:
+        return self.sched.preemptions
+
+    def submit(self, prompt, sp: SamplingParams = SamplingParams(), on_token=None) -> Request:
+        """Queue a request (thread-safe); :class:`RequestError` for one that can never be served."""
+        prompt = [int(t) for t in prompt]
+        sp.validate()
+        if not prompt:
+            raise RequestError("empty prompt")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
+            raise RequestError(f"token ids outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt) + sp.max_tokens > self.max_len:
+            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
+        seed = int(self._rng.integers(2**32)) if sp.seed is None else int(sp.seed) % 2**32
+        self.metrics["requests"] += 1
+        return self.sched.new_request(prompt, sp, seed, on_token)
+
+    def abort(self, req: Request):
+        req.aborted = True
+
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop_token_ids=()) -> list[Result]:
+        reqs = [self.submit(p, SamplingParams(max_tokens, temperature, top_k, top_p,
+                                              None if seed is None else seed + i, tuple(stop_token_ids)))
+                for i, p in enumerate(prompts)]
+        while not all(r.finished.is_set() for r in reqs):
+            self.step()
+        return [r.result for r in reqs]
+
+    def step(self):
+        """Plan, run one step, emit the kept tokens, finish what is done."""
+        for r in [r for r in self.sched.running if r.aborted]:
+            self._finish(r, "abort")
+        plan = self.sched.plan()
+        for r in self.sched.dropped:
+            self._complete(r, "abort")
+        self.sched.dropped.clear()
+        if not plan.requests:
+            return
+        t0 = time.perf_counter()
+        tokens = self.runner.run(plan)
+        self.metrics["steps"] += 1
+        self.metrics["step_tokens"] += len(plan.decode) + sum(len(r.tokens) for r in plan.prefill)
+        self.metrics["step_time_s"] += time.perf_counter() - t0
+        self.sched.advance(plan)
+        for r, keep, tok in zip(plan.requests, plan.keep, tokens):
+            if keep and r.slot >= 0:
+                self._emit(r, int(tok))
+
+    def _emit(self, r: Request, tok: int):
+        now = time.perf_counter() - r.t0
+        if not r.out:
+            self.metrics["ttft_sum_s"] += now
+        r.out.append(tok)
+        r.times.append(now)
+        self.metrics["generation_tokens"] += 1
+        if r.on_token is not None:
+            r.on_token(tok)
+        if tok in r.sp.stop_token_ids:
+            self._finish(r, "stop")
+        elif len(r.out) >= r.sp.max_tokens:
+            self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str):
+        self.sched.release(r)
+        self._complete(r, reason)
+
+    def _complete(self, r: Request, reason: str):
+        self.metrics["requests_finished"] += 1
+        self.metrics["requests_aborted"] += reason == "abort"
+        self.metrics["prompt_tokens"] += len(r.prompt)
+        r.result = Result(r.rid, r.prompt, list(r.out), 0, r.times[0] if r.times else float("nan"), list(r.times),
+                          reason)
+        r.finished.set()
+        if r.on_token is not None:
+            r.on_token(None)
+
+
+def _default_pages(lay: PoolLayout, max_running: int, max_blocks: int) -> int:
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return max_running * (max_blocks + 1)

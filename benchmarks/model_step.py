@@ -100,7 +100,6 @@ def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float) 
     compile_s = time.perf_counter() - t0
     s = timed_steps(run, steps)
     floor = decode_floor_bytes(cfg, params, lay, B, ctx) / bw
-    del state
     return {"kind": "decode", "batch": B, "context": ctx, "step_ms": s * 1e3, "tokens_per_s": B / s,
             "floor_ms": floor * 1e3, "fraction_of_floor": floor / s, "page_tokens": lay.page_tokens,
             "pages": num_pages, "pool_GB": num_pages * lay.page_bytes / 1e9, "compile_s": compile_s}

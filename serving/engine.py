@@ -34,6 +34,8 @@ from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
 
 log = logging.getLogger("k3jax.engine")
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# The embedded models (random weights, byte-level vocabulary): Kimi Linear and Kimi K3.
+EMBEDDED = {"tiny": "tiny.json", "tiny-k3": "tiny_k3.json"}
 
 
 def default_kernels(cfg: ModelConfig, backend: str | None = None) -> Kernels:
@@ -145,7 +147,7 @@ class Engine:
 
     Args:
       model: "tiny" (the embedded default: ``configs/tiny.json`` with random weights and a
-        byte-level vocabulary), a Hugging Face checkpoint directory, or ``(ModelConfig, params)``.
+        byte-level vocabulary), "tiny-k3" (the same for Kimi K3: ``configs/tiny_k3.json``), a Hugging Face checkpoint directory, or ``(ModelConfig, params)``.
       max_slots: requests decoded together; max_len: tokens per request (prompt + output).
       prefill_chunk: prefill token budget per step.
       prefix_cache: enable the prefix cache; cache_pages: pool pages backing it.
@@ -164,8 +166,8 @@ class Engine:
                  spec_backoff: int = 16):
         if isinstance(model, tuple):  # (ModelConfig, params), e.g. a random config for benchmarks
             self.cfg, self.params = model
-        elif model == "tiny":
-            self.cfg = ModelConfig.from_json(os.path.join(CONFIGS, "tiny.json"))
+        elif model in EMBEDDED:
+            self.cfg = ModelConfig.from_json(os.path.join(CONFIGS, EMBEDDED[model]))
             self.params = init_params(self.cfg, jax.random.key(seed), dtype=dtype)
         else:
             self.cfg, self.params = load_hf_checkpoint(model)

@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serving.engine import SEED_MAX, SEED_MIN, Engine, RequestError, SamplingParams
+from serving.engine import EMBEDDED, SEED_MAX, SEED_MIN, Engine, RequestError, SamplingParams
 from serving.http_base import APIError, BackgroundServer, error_body, error_response, install_error_handlers, read_json
 from serving.tokenizers import Detokenizer, load_tokenizer, render_chat
 
@@ -733,7 +733,8 @@ def serve(engine: Engine, tokenizer, *, host="127.0.0.1", port=8000, model_name=
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="k3jax-serve", description="Serve a Kimi Linear model over an OpenAI-compatible API.")
-    ap.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a Hugging Face checkpoint directory")
+    ap.add_argument("--model", default="tiny", help="'tiny' (embedded default), 'tiny-k3' (an embedded tiny Kimi K3) "
+                                                     "or a Hugging Face checkpoint directory")
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -761,7 +762,7 @@ def main(argv=None):
     engine.warmup(prefill=False)
     engine.generate([[3] * 8], max_tokens=2)
     print(f"k3jax-serve: warm in {time.perf_counter() - t0:.1f} s", flush=True)
-    name = a.served_model_name or ("k3jax-tiny" if a.model == "tiny" else a.model)
+    name = a.served_model_name or (f"k3jax-{a.model}" if a.model in EMBEDDED else a.model)
     server, _ = serve(engine, tokenizer, host=a.host, port=a.port, model_name=name, max_waiting=a.max_waiting,
                       max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout)
     print(f"k3jax-serve: listening on http://{a.host}:{server.port}  "

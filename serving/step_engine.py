@@ -20,7 +20,7 @@ import numpy as np
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import StepKernels, jit_step, pack_batch, prepare_params
-from serving.engine import CONFIGS, RequestError, Result, SamplingParams, default_kernels
+from serving.engine import CONFIGS, EMBEDDED, RequestError, Result, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.scheduler import Request, Scheduler, StepPlan
 
@@ -32,8 +32,8 @@ def load_model(model, seed: int = 0):
     directory, or a ``(ModelConfig, params)`` pair."""
     if isinstance(model, tuple):
         return model
-    if model in ("tiny", "tiny-k3"):
-        cfg = ModelConfig.from_json(os.path.join(CONFIGS, "tiny.json" if model == "tiny" else "tiny_k3.json"))
+    if model in EMBEDDED:
+        cfg = ModelConfig.from_json(os.path.join(CONFIGS, EMBEDDED[model]))
         return cfg, init_params(cfg, jax.random.key(seed))
     return load_hf_checkpoint(model)
 

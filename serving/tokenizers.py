@@ -8,7 +8,7 @@ import json
 import logging
 import os
 
-from serving.engine import RequestError
+from serving.engine import EMBEDDED, RequestError
 from serving.http_base import APIError
 
 log = logging.getLogger("k3jax.server")
@@ -118,7 +118,7 @@ class NoTokenizer:
 def load_tokenizer(model: str):
     """The embedded model's byte tokenizer, a checkpoint's ``tokenizer.json`` (tokenizers) or
     ``tiktoken.model`` (Kimi, tiktoken), or :class:`NoTokenizer`."""
-    if model in ("tiny", "tiny-k3"):
+    if model in EMBEDDED:
         return ByteTokenizer()
     path = os.path.join(model, "tokenizer.json")
     if os.path.exists(path):

@@ -4,7 +4,7 @@ and preemption; the second turn of a conversation reuses the first."""
 import numpy as np
 import pytest
 
-from serving.engine import Engine, RequestError, SamplingParams
+from serving.engine import Drafter, Engine, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +239,23 @@ def test_pallas_prefill_kernel_swaps_in(plain):
     assert r2.num_cached_tokens == 128
     assert r1.token_ids == plain.generate([turn1], max_tokens=4)[0].token_ids
     assert r2.token_ids == plain.generate([turn2], max_tokens=4)[0].token_ids
+
+
+def test_kimi_k3_through_the_engine():
+    """The embedded tiny K3 (AttnRes, LatentMoE, gated MLA) served with the prefix cache and
+    speculation: a second turn resumes from the first turn's checkpoint and every greedy
+    output equals a cold engine's."""
+    kw = dict(max_slots=2, max_len=192, prefill_chunk=32, hash_tokens=32)
+    class Repeat(Drafter):  # always proposes: every decode step verifies a window
+        def propose(self, tokens, k):
+            return tokens[-1:] * k
+
+    warm = Engine("tiny-k3", speculative=2, drafter=Repeat(), **kw)
+    cold = Engine("tiny-k3", prefix_cache=False, **kw)
+    turn1 = prompt(20, 70)
+    r1 = warm.generate([turn1], max_tokens=6)[0]
+    turn2 = turn1 + r1.token_ids + prompt(21, 10)
+    r2 = warm.generate([turn2], max_tokens=6)[0]
+    assert r2.num_cached_tokens == 64
+    assert [r.token_ids for r in cold.generate([turn1, turn2], max_tokens=6)] == [r1.token_ids, r2.token_ids]
+    assert warm.metrics["spec_proposed"] > 0

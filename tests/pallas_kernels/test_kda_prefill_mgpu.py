@@ -297,6 +297,7 @@ def test_the_cumsum_kernel_flags_wide_sub_chunks(gpu_run):
     assert wide(g.at[70, 1, 0].set(jnp.nan)) == [[0, 0], [0, 1]]
 
 
+@pytest.mark.slow  # the heaviest interpret-mode cases (about 40 and 25 s on CI); compiled under -m gpu
 def test_mosaic_kernel_a_for_unbounded_gates(gpu_run):
     """``prep_kernel="mosaic_gpu"`` (the default) without ``gate_lower_bound``, Kimi Linear gates
     below -5: where every sub-chunk spans at most 75 nats, the bits of the call that promises the
@@ -338,6 +339,7 @@ def test_steep_chunks_take_the_triton_kernel_a(gpu_run):
             assert bool(jnp.array_equal(got[c], want[c])), c
 
 
+@pytest.mark.slow  # the heaviest interpret-mode cases (about 40 and 25 s on CI); compiled under -m gpu
 def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
     """``chunk_kda(wu_kernel="mosaic_gpu")`` beside the Mosaic GPU kernel A, at the gate bound:
     varlen, GVA, initial states, 64-token checkpoints, 2 segments; against the references within

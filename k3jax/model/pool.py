@@ -178,12 +178,14 @@ def write_latents(lay: PoolLayout, pool, layer: int, pages, offsets, latents):
     return view.reshape(pool.shape)
 
 
-def read_latents(lay: PoolLayout, pool, layer: int, block_tables, num_tokens: int):
-    """The first ``num_tokens`` latent rows of every row's block table: ``[R, num_tokens, L + R]``
-    (rows past a row's context hold whatever the page holds: mask them)."""
+def read_latents(lay: PoolLayout, pool, layer: int, block_tables, num_tokens: int, lengths):
+    """The first ``num_tokens`` latent rows of every row's block table: ``[R, num_tokens, L + R]``,
+    zeros where ``lengths i32[R]`` (each row's context) or the block table ends: a page's other
+    words may be anything (a KDA page's floats read as bf16 include NaNs), and a masked
+    attention weight of 0 times NaN is NaN."""
     R = block_tables.shape[0]
     pos = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (R, num_tokens))
     page, off = token_pages(lay, block_tables, jnp.arange(R, dtype=jnp.int32)[:, None], pos)
-    page = jnp.clip(page, 0, pool.shape[0] - 1)
-    words = _mla_view(lay, pool)[page, layer * lay.page_tokens + off]
-    return _from_words(words, lay.latent_dtype)
+    valid = (page >= 0) & (pos < lengths[:, None])
+    words = _mla_view(lay, pool)[jnp.clip(page, 0, pool.shape[0] - 1), layer * lay.page_tokens + off]
+    return _from_words(jnp.where(valid[..., None], words, 0), lay.latent_dtype)

@@ -224,7 +224,7 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         outs.append(o_p[0])
         finals.append(s_p)
         convs.append(c_p)
-    o, final, conv = (jnp.concatenate([x.astype(f32) for x in a]) for a in (outs, finals, convs))
+    o, final, conv = (jnp.concatenate([part.astype(f32) for part in a]) for a in (outs, finals, convs))
     pool = write_kda(lay, pool, batch.state_slot, li, final, conv)
     pool = write_kda(lay, pool, batch.checkpoint, li, final, conv)
     gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
@@ -258,7 +258,8 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: Ste
     pool = write_latents(lay, pool, li, jnp.where(rows.live, page, -1), off, latent)
     q_lat, q_rope = mm("thn,hnl->thl", q[..., :nope], p["w_uk"]), q[..., nope:]
     S = batch.block_tables.shape[1] * lay.page_tokens
-    ctx = read_latents(lay, pool, li, batch.block_tables, S)  # [R, S, L + R]
+    ends = batch.start + batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+    ctx = read_latents(lay, pool, li, batch.block_tables, S, ends)  # [R, S, L + R]
     scale = (nope + rope) ** -0.5
     attend = partial(latent_attention, L=L, scale=scale, w_uv=p["w_uv"])
     s = jnp.arange(S, dtype=i32)

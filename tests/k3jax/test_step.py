@@ -116,6 +116,19 @@ def test_step_bf16_close_to_forward():
         assert rel_rms(lg, ref[seq][pos]) < 3e-2, (seq, pos)
 
 
+def test_bf16_step_ignores_what_other_pages_hold():
+    """A request whose KDA state lives in page 0 (the first page the allocator hands out): the
+    other rows' unused block-table entries read page 0 as latents. bf16 views of its floats hold
+    NaNs, which must not reach any output."""
+    cfg, params = _tiny()
+    A, B = _seqs(cfg, [41, 24], seed=4)
+    runner = Runner(cfg, params, jnp.bfloat16)
+    lg, _ = runner.run([], [Row(A[:20], 0, [1, 2], slot=0), Row(B[:10], 0, [3], slot=4)])
+    assert np.all(np.isfinite(lg))
+    lg, _ = runner.run([Row(A[20:21], 20, [1, 2], slot=0), Row(B[10:11], 10, [3], slot=4)], [])
+    assert np.all(np.isfinite(lg))
+
+
 @pytest.mark.parametrize("case", ["moe_hf_form", pytest.param("original_form_sharded", marks=pytest.mark.slow)])
 def test_step_on_golden_checkpoints(case):
     cfg, params = load_hf_checkpoint(os.path.join(GOLDEN, case))
@@ -210,8 +223,14 @@ def test_pool_views_roundtrip_and_are_disjoint():
     np.testing.assert_array_equal(np.asarray(c2[0]), np.asarray(cv[0]))
     assert not np.any(np.asarray(pool[0])) and not np.any(np.asarray(pool[2:]))  # -1 wrote nothing
     pool = write_latents(lay, pool, 0, jnp.asarray([2, 2, 2, 3, -1], jnp.int32), jnp.asarray([0, 1, 5, 0, 0], jnp.int32), lat)
-    got = read_latents(lay, pool, 0, jnp.asarray([[2, 3]], jnp.int32), lay.page_tokens + 1)
+    n = lay.page_tokens + 1
+    got = read_latents(lay, pool, 0, jnp.asarray([[2, 3]], jnp.int32), n, jnp.asarray([n], jnp.int32))
     np.testing.assert_array_equal(np.asarray(got[0, [0, 1, 5, lay.page_tokens]]), np.asarray(lat[:4]))
+    # past the context or the block table: zeros, whatever the page holds (here a KDA state)
+    kda_page = jnp.asarray([[1, -1]], jnp.int32)
+    assert np.any(np.asarray(read_latents(lay, pool, 0, kda_page, n, jnp.asarray([n], jnp.int32)), np.float32))
+    got = read_latents(lay, pool, 0, kda_page, n, jnp.asarray([3], jnp.int32))
+    assert not np.any(np.asarray(got[0, 3:], np.float32))
     s3, _ = read_kda(lay, pool, jnp.asarray([1], jnp.int32), 2)
     np.testing.assert_array_equal(np.asarray(s3[0]), np.asarray(st[0]))  # latents in other pages
 

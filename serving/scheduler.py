@@ -67,10 +67,10 @@ class Scheduler:
     """Plans steps under ``token_budget`` tokens, at most ``max_decode`` decode rows and
     ``max_prefill_rows`` prefill chunks of at most ``max_chunk`` tokens each."""
 
-    def __init__(self, pool: PagePool, page_tokens: int, *, max_len: int, token_budget: int, max_decode: int,
+    def __init__(self, pool: PagePool, page_tokens: int, *, token_budget: int, max_decode: int,
                  max_prefill_rows: int, max_chunk: int):
         self.pool, self.P = pool, page_tokens
-        self.max_len, self.budget = max_len, token_budget
+        self.budget = token_budget
         self.max_decode, self.max_prefill_rows, self.max_chunk = max_decode, max_prefill_rows, max_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -108,6 +108,13 @@ class Scheduler:
         except PoolExhausted:  # cannot happen after can_allocate; never leave a half-grown request
             return False
         return True
+
+    def take_aborted_waiting(self) -> list[Request]:
+        """Remove and return the aborted requests still waiting (wherever they are in the queue)."""
+        with self._lock:
+            gone = [r for r in self.waiting if r.aborted]
+            self.waiting = deque(r for r in self.waiting if not r.aborted)
+        return gone
 
     def release(self, r: Request):
         for p in r.pages + ([r.slot] if r.slot >= 0 else []):

@@ -56,6 +56,8 @@ class Runner:
         self.cfg, self.params, self.lay, self.kernels = cfg, params, lay, kernels
         self.num_pages, self.max_blocks, self.max_prefill_rows = num_pages, max_blocks, max_prefill_rows
         self.decode_buckets, self.prefill_buckets = tuple(sorted(decode_buckets)), tuple(sorted(prefill_buckets))
+        if not self.decode_buckets or not self.prefill_buckets:
+            raise ValueError("decode_buckets and prefill_buckets must not be empty")
         self.pool = lay.allocate(num_pages)
         self.compiled: set[tuple[int, int]] = set()
         self.compiles_while_serving = 0
@@ -100,7 +102,7 @@ class StepEngine:
       max_running: decode rows per step; max_len: tokens per request (prompt + output).
       token_budget: tokens per step (decode rows and prefill chunks); max_prefill_rows: prefill
         chunks per step; max_chunk: tokens per chunk.
-      num_pages: pool pages (None: 90% of the device's free memory on an accelerator, else enough
+      num_pages: pool pages (None: 80% of the device's free memory on an accelerator, else enough
         for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
         a KDA state page allows, a multiple of 16).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of two up to the limits).
@@ -115,19 +117,26 @@ class StepEngine:
         lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype)
         max_blocks = -(-max_len // lay.page_tokens)
         params = prepare_params(self.cfg, ref, dtype)
+        del ref  # before the pool is sized from free memory
+        if token_budget <= max_running:
+            raise ValueError(f"token_budget {token_budget} must exceed max_running {max_running} (room for prefill)")
+        max_chunk = max_chunk or token_budget
+        decode_buckets = decode_buckets or _powers_of_two(1, max_running)
+        prefill_buckets = prefill_buckets or _powers_of_two(16, token_budget)
+        if max(decode_buckets) < max_running or max(prefill_buckets) < min(token_budget, max_prefill_rows * max_chunk):
+            raise ValueError(f"the largest buckets ({max(decode_buckets)}, {max(prefill_buckets)}) must cover "
+                             f"max_running {max_running} and the prefill tokens a step can plan")
         if num_pages is None:
             num_pages = _default_pages(lay, max_running, max_blocks)
         if num_pages < max_blocks + 1:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + a state page)")
         kernels = kernels or StepKernels(chunk_kda=default_kernels(self.cfg).chunk_kda)
-        max_chunk = max_chunk or token_budget
-        self.runner = Runner(self.cfg, params, lay, kernels, num_pages,
-                             decode_buckets=decode_buckets or _powers_of_two(1, max_running),
-                             prefill_buckets=prefill_buckets or _powers_of_two(16, token_budget),
+        self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
+                             prefill_buckets=prefill_buckets,
                              max_prefill_rows=max_prefill_rows, max_blocks=max_blocks)
-        self.sched = Scheduler(PagePool(num_pages, with_storage=False), lay.page_tokens, max_len=max_len,
-                               token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,
+        self.sched = Scheduler(PagePool(num_pages, with_storage=False), lay.page_tokens, token_budget=token_budget,
+                               max_decode=max_running, max_prefill_rows=max_prefill_rows,
                                max_chunk=max_chunk)
         self._rng = np.random.default_rng(seed)
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
@@ -173,6 +182,8 @@ class StepEngine:
         """Plan, run one step, emit the kept tokens, finish what is done."""
         for r in [r for r in self.sched.running if r.aborted]:
             self._finish(r, "abort")
+        for r in self.sched.take_aborted_waiting():
+            self._complete(r, "abort")
         plan = self.sched.plan()
         for r in self.sched.dropped:
             self._complete(r, "abort")
@@ -186,7 +197,7 @@ class StepEngine:
         self.metrics["step_time_s"] += time.perf_counter() - t0
         self.sched.advance(plan)
         for r, keep, tok in zip(plan.requests, plan.keep, tokens):
-            if keep and r.slot >= 0:
+            if keep:
                 self._emit(r, int(tok))
 
     def _emit(self, r: Request, tok: int):
@@ -221,5 +232,6 @@ class StepEngine:
 def _default_pages(lay: PoolLayout, max_running: int, max_blocks: int) -> int:
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
-        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        # 80%: the step's activations (latent gathers, scores) need the rest
+        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0), fraction=0.8)
     return max_running * (max_blocks + 1)

@@ -99,7 +99,7 @@ def test_abort_and_bad_requests(engine):
     engine.step()
     engine.abort(r)
     w = engine.submit(PROMPTS[1], SamplingParams(max_tokens=3))
-    engine.abort(w)
+    engine.abort(w)  # still waiting: completed at the next step wherever it is in the queue
     while engine.has_work():
         engine.step()
     assert r.result.finish_reason == w.result.finish_reason == "abort"
@@ -109,3 +109,5 @@ def test_abort_and_bad_requests(engine):
             engine.submit(prompt, sp)
     with pytest.raises(ValueError, match="cannot hold one request"):
         _engine(num_pages=2)
+    with pytest.raises(ValueError, match="must cover"):
+        _engine(prefill_buckets=(32,))

@@ -142,7 +142,62 @@ def _bucket_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-class Engine:
+class EngineBase:
+    """What both engines do with requests on the host: validation, offline ``generate``, token
+    emission with stop and length checks, completion. Subclasses set ``cfg``, ``max_len`` and
+    ``metrics`` and define ``submit``, ``step`` and ``_finish``."""
+
+    def validate(self, prompt: list[int], sp: SamplingParams):
+        """Raise :class:`RequestError` for a request that can never be served."""
+        sp.validate()
+        if not prompt:
+            raise RequestError("empty prompt")
+        bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if len(prompt) + sp.max_tokens > self.max_len:
+            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids=()) -> list[Result]:
+        """Run prompts to completion (offline use); results in prompt order."""
+        reqs = [self.submit(p, SamplingParams(max_tokens, temperature, top_k, top_p,
+                                              None if seed is None else seed + i, tuple(stop_token_ids)))
+                for i, p in enumerate(prompts)]
+        while not all(r.finished.is_set() for r in reqs):
+            self.step()
+        return [r.result for r in reqs]
+
+    def abort(self, req: _Req):
+        """Cancel a request (e.g. the client disconnected); its pages are released next step."""
+        req.aborted = True
+
+    def _emit_token(self, r: _Req, tok: int):
+        now = time.perf_counter() - r.t0
+        if not r.out:
+            self.metrics["ttft_sum_s"] += now
+        r.out.append(tok)
+        r.times.append(now)
+        self.metrics["generation_tokens"] += 1
+        if r.on_token is not None:
+            r.on_token(tok)
+        if tok in r.sp.stop_token_ids:
+            self._finish(r, "stop")
+        elif len(r.out) >= r.sp.max_tokens:
+            self._finish(r, "length")
+
+    def _complete(self, r: _Req, reason: str):
+        self.metrics["requests_finished"] += 1
+        self.metrics["requests_aborted"] += reason == "abort"
+        self.metrics["prompt_tokens"] += len(r.prompt)
+        r.result = Result(r.rid, r.prompt, list(r.out), r.cached, r.times[0] if r.times else float("nan"),
+                          list(r.times), reason)
+        r.finished.set()
+        if r.on_token is not None:
+            r.on_token(None)
+
+
+class Engine(EngineBase):
     """Offline and online serving of one model.
 
     Args:
@@ -215,17 +270,6 @@ class Engine:
         return len(self._compiled)
 
     # ---- requests
-    def validate(self, prompt: list[int], sp: SamplingParams):
-        """Raise :class:`RequestError` for a request that can never be served."""
-        sp.validate()
-        if not prompt:
-            raise RequestError("empty prompt")
-        bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
-        if bad:
-            raise RequestError(f"token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
-        if len(prompt) + sp.max_tokens > self.max_len:
-            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
-
     def submit(self, prompt: list[int], sp: SamplingParams = SamplingParams(), on_token=None) -> _Req:
         """Queue a request (thread-safe). Raises RequestError for invalid input."""
         prompt = [int(t) for t in prompt]
@@ -236,22 +280,8 @@ class Engine:
             self.metrics["requests"] += 1
         return req
 
-    def abort(self, req: _Req):
-        """Cancel a request (e.g. the client disconnected); its pages are released next step."""
-        req.aborted = True
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_token_ids=()) -> list[Result]:
-        """Run prompts to completion (offline use); results in prompt order."""
-        reqs = [self.submit(p, SamplingParams(max_tokens, temperature, top_k, top_p,
-                                              None if seed is None else seed + i, tuple(stop_token_ids)))
-                for i, p in enumerate(prompts)]
-        while not all(r.finished.is_set() for r in reqs):
-            self.step()
-        return [r.result for r in reqs]
 
     # ---- scheduling
     def step(self):
@@ -477,20 +507,6 @@ class Engine:
             return
         self._emit_token(r, tok)
 
-    def _emit_token(self, r: _Req, tok: int):
-        now = time.perf_counter() - r.t0
-        if not r.out:
-            self.metrics["ttft_sum_s"] += now
-        r.out.append(tok)
-        r.times.append(now)
-        self.metrics["generation_tokens"] += 1
-        if r.on_token is not None:
-            r.on_token(tok)
-        if tok in r.sp.stop_token_ids:
-            self._finish(r, "stop")
-        elif len(r.out) >= r.sp.max_tokens:
-            self._finish(r, "length")
-
     def _finish(self, r: _Req, reason: str):
         if self.cache is not None:
             (self.cache.abort if reason == "abort" else self.cache.finish)(r.rid)
@@ -501,16 +517,6 @@ class Engine:
     def _reject(self, r: _Req, reason: str):
         self.metrics["requests_rejected"] += 1
         self._complete(r, "rejected: " + reason)
-
-    def _complete(self, r: _Req, reason: str):
-        self.metrics["requests_finished"] += 1
-        self.metrics["requests_aborted"] += reason == "abort"
-        self.metrics["prompt_tokens"] += len(r.prompt)
-        r.result = Result(r.rid, r.prompt, list(r.out), r.cached, r.times[0] if r.times else float("nan"),
-                          list(r.times), reason)
-        r.finished.set()
-        if r.on_token is not None:
-            r.on_token(None)
 
 
 def sample(logits: np.ndarray, sp: SamplingParams, index: int) -> int:

@@ -38,6 +38,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     slot: int = -1
     done: int = 0
+    cached: int = 0  # prompt tokens served from a prefix cache (none yet)
     aborted: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     result: object = None
@@ -75,7 +76,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
-        self.dropped: list[Request] = []  # aborted before admission, for the engine to complete
         self._preempted_now: set[int] = set()
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -168,8 +168,8 @@ class Scheduler:
                 self.waiting.appendleft(r)
 
     def _prefill_candidates(self):
-        """Running requests still prefilling, then waiting ones in arrival order (aborted ones go
-        to ``self.dropped``; one preempted in this step waits for the next)."""
+        """Running requests still prefilling, then waiting ones in arrival order (one preempted in
+        this step waits for the next)."""
         for r in [r for r in self.running if r.done < r.prefill_end]:
             if r.rid not in self._preempted_now:
                 yield r
@@ -178,9 +178,6 @@ class Scheduler:
                 if not self.waiting or self.waiting[0].rid in self._preempted_now:
                     return
                 r = self.waiting.popleft()
-            if r.aborted:
-                self.dropped.append(r)
-                continue
             yield r
 
     def _row(self, r: Request, tokens: list[int]) -> Row:

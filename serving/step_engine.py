@@ -20,7 +20,7 @@ import numpy as np
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import StepKernels, jit_step, pack_batch, prepare_params
-from serving.engine import CONFIGS, EMBEDDED, RequestError, Result, SamplingParams, default_kernels
+from serving.engine import CONFIGS, EMBEDDED, EngineBase, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.scheduler import Request, Scheduler, StepPlan
 
@@ -94,7 +94,7 @@ class Runner:
         return tokens[rows]
 
 
-class StepEngine:
+class StepEngine(EngineBase):
     """Offline and online serving on the serving step.
 
     Args:
@@ -150,33 +150,15 @@ class StepEngine:
         return self.sched.preemptions
 
     def submit(self, prompt, sp: SamplingParams = SamplingParams(), on_token=None) -> Request:
-        """Queue a request (thread-safe); :class:`RequestError` for one that can never be served."""
+        """Queue a request (thread-safe); :class:`serving.engine.RequestError` for one that can never be served."""
         prompt = [int(t) for t in prompt]
-        sp.validate()
-        if not prompt:
-            raise RequestError("empty prompt")
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
-            raise RequestError(f"token ids outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(prompt) + sp.max_tokens > self.max_len:
-            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
+        self.validate(prompt, sp)
         seed = int(self._rng.integers(2**32)) if sp.seed is None else int(sp.seed) % 2**32
         self.metrics["requests"] += 1
         return self.sched.new_request(prompt, sp, seed, on_token)
 
-    def abort(self, req: Request):
-        req.aborted = True
-
     def has_work(self) -> bool:
         return self.sched.has_work()
-
-    def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop_token_ids=()) -> list[Result]:
-        reqs = [self.submit(p, SamplingParams(max_tokens, temperature, top_k, top_p,
-                                              None if seed is None else seed + i, tuple(stop_token_ids)))
-                for i, p in enumerate(prompts)]
-        while not all(r.finished.is_set() for r in reqs):
-            self.step()
-        return [r.result for r in reqs]
 
     def step(self):
         """Plan, run one step, emit the kept tokens, finish what is done."""
@@ -185,9 +167,6 @@ class StepEngine:
         for r in self.sched.take_aborted_waiting():
             self._complete(r, "abort")
         plan = self.sched.plan()
-        for r in self.sched.dropped:
-            self._complete(r, "abort")
-        self.sched.dropped.clear()
         if not plan.requests:
             return
         t0 = time.perf_counter()
@@ -198,35 +177,11 @@ class StepEngine:
         self.sched.advance(plan)
         for r, keep, tok in zip(plan.requests, plan.keep, tokens):
             if keep:
-                self._emit(r, int(tok))
-
-    def _emit(self, r: Request, tok: int):
-        now = time.perf_counter() - r.t0
-        if not r.out:
-            self.metrics["ttft_sum_s"] += now
-        r.out.append(tok)
-        r.times.append(now)
-        self.metrics["generation_tokens"] += 1
-        if r.on_token is not None:
-            r.on_token(tok)
-        if tok in r.sp.stop_token_ids:
-            self._finish(r, "stop")
-        elif len(r.out) >= r.sp.max_tokens:
-            self._finish(r, "length")
+                self._emit_token(r, int(tok))
 
     def _finish(self, r: Request, reason: str):
         self.sched.release(r)
         self._complete(r, reason)
-
-    def _complete(self, r: Request, reason: str):
-        self.metrics["requests_finished"] += 1
-        self.metrics["requests_aborted"] += reason == "abort"
-        self.metrics["prompt_tokens"] += len(r.prompt)
-        r.result = Result(r.rid, r.prompt, list(r.out), 0, r.times[0] if r.times else float("nan"), list(r.times),
-                          reason)
-        r.finished.set()
-        if r.on_token is not None:
-            r.on_token(None)
 
 
 def _default_pages(lay: PoolLayout, max_running: int, max_blocks: int) -> int:

@@ -141,18 +141,36 @@ def kda_attention(cfg: ModelConfig, p, x, state, conv_state, kernels: Kernels):
     return linear(o.reshape(T, HV * K), p["o"]), state[0], conv_state[0], window
 
 
+def mla_inputs(cfg: ModelConfig, p, x, linear=linear):
+    """MLA's projections of ``x [T, D]``: queries ``[T, nh, nope + rope]`` (through the q LoRA
+    when the model has one) and the cached latents ``[T, L + R]`` (the normalised ``kv_a``
+    latent and the rope part); ``linear`` is the matmul (the serving step passes its own)."""
+    L = cfg.kv_lora_rank
+    if "q" in p:
+        q = linear(x, p["q"])
+    else:
+        q = linear(rms_norm(linear(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps), p["q_b"])
+    ckv = linear(x, p["kv_a"])
+    latent = jnp.concatenate([rms_norm(ckv[:, :L], p["kv_a_norm"], cfg.rms_norm_eps), ckv[:, L:]], axis=-1)
+    return q.reshape(x.shape[0], cfg.num_heads, -1), latent
+
+
+def latent_moe_out(cfg: ModelConfig, p, y, linear=linear):
+    """Stable LatentMoE's way back from the experts' latent ``y``: RMSNorm (when
+    ``latent_moe_norm``) and ``latent_up``; ``y`` unchanged without a latent."""
+    if not cfg.latent_moe_size:
+        return y
+    if cfg.latent_moe_norm:
+        y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)
+    return linear(y, p["latent_up"])
+
+
 def mla_attention(cfg: ModelConfig, p, x, kv_cache, pos):
     """MLA sublayer (no positional encoding, as in Kimi Linear) for ``x [T, D]`` at positions
     ``pos .. pos + T - 1``; ``kv_cache [S_max, L + R]`` holds the normalised latents."""
     T = x.shape[0]
     nh, nope, rope, vd, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    if "q" in p:
-        q = linear(x, p["q"])
-    else:
-        q = linear(rms_norm(linear(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps), p["q_b"])
-    q = q.reshape(T, nh, nope + rope)
-    ckv = linear(x, p["kv_a"])
-    latent = jnp.concatenate([rms_norm(ckv[:, :L], p["kv_a_norm"], cfg.rms_norm_eps), ckv[:, L:]], axis=-1)
+    q, latent = mla_inputs(cfg, p, x)
     kv_cache = jax.lax.dynamic_update_slice(kv_cache, latent, (pos, 0))
     kv = linear(kv_cache[:, :L], p["kv_b"]).reshape(-1, nh, nope + vd)
     S = kv_cache.shape[0]
@@ -205,11 +223,7 @@ def moe(cfg: ModelConfig, p, x):
         a = glu(cfg, h[:, :I], h[:, I:])
         y = jax.lax.ragged_dot(a, jnp.swapaxes(p["down"].astype(f32), 1, 2), sizes, precision=HIGHEST)
         y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
-    if cfg.latent_moe_size:
-        if cfg.latent_moe_norm:
-            y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)
-        y = linear(y, p["latent_up"])
-    return y + mlp(cfg, p["shared"], x)
+    return latent_moe_out(cfg, p, y) + mlp(cfg, p["shared"], x)
 
 
 class Trunk:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.model.config import ModelConfig
-from k3jax.model.model import Trunk, glu, init_tree, param_shapes
+from k3jax.model.model import Trunk, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm, route
 from k3jax.model.pool import PoolLayout, read_kda, read_latents, token_pages, write_kda, write_latents
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2norm
@@ -168,11 +168,6 @@ def linear(x, w):
     return mm("...i,oi->...o", x, w)
 
 
-def rms_norm(x, w, eps):
-    x = x.astype(f32)
-    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
-
-
 def dense_mlp(cfg: ModelConfig, p, x):
     return linear(glu(cfg, linear(x, p["gate"]), linear(x, p["up"])), p["down"])
 
@@ -246,14 +241,8 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: Ste
     """MLA sublayer (no positional encoding, as in Kimi Linear) with absorbed ``kv_b``: writes the
     tokens' latents into their pages, then every token attends over its row's latents."""
     T = x.shape[0]
-    nh, nope, rope, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    if "q" in p:
-        q = linear(x, p["q"])
-    else:
-        q = linear(rms_norm(linear(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps), p["q_b"])
-    q = q.reshape(T, nh, nope + rope)
-    ckv = linear(x, p["kv_a"])
-    latent = jnp.concatenate([rms_norm(ckv[:, :L], p["kv_a_norm"], cfg.rms_norm_eps), ckv[:, L:]], axis=-1)
+    nope, rope, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q, latent = mla_inputs(cfg, p, x, linear)
     page, off = token_pages(lay, batch.block_tables, jnp.minimum(rows.row, batch.start.shape[0] - 1), rows.pos)
     pool = write_latents(lay, pool, li, jnp.where(rows.live, page, -1), off, latent)
     q_lat, q_rope = mm("thn,hnl->thl", q[..., :nope], p["w_uk"]), q[..., nope:]
@@ -279,28 +268,11 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: Ste
     return linear(o, p["o"]), pool
 
 
-def route(cfg: ModelConfig, p, x):
-    """Sigmoid router with score-correction bias and group-limited top-k, in float32.
-    Returns ``(weights f32[T, k], experts i32[T, k])``."""
-    E, G = cfg.num_experts, cfg.n_group
-    scores = jax.nn.sigmoid(linear(x.astype(f32), p["router"]))
-    choice = scores + p["bias"]
-    group_scores = jnp.sum(jax.lax.top_k(choice.reshape(-1, G, E // G), 2)[0], axis=-1)
-    _, groups = jax.lax.top_k(group_scores, cfg.topk_group)
-    keep = jnp.any(jnp.arange(G)[None, :, None] == groups[:, None, :], axis=-1)
-    choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    w = jnp.take_along_axis(scores, idx, axis=1)
-    if cfg.norm_topk_prob:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * cfg.routed_scaling_factor, idx
-
-
 def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
     """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`)."""
     I = cfg.moe_intermediate_size
-    w, idx = route(cfg, p, x)
+    w, idx = route(cfg, p, x.astype(f32))
     z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
     flat = idx.reshape(-1)
     order = jnp.argsort(flat)
@@ -313,11 +285,7 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
     h = grouped(z[tok], p["gate_up"])
     y = grouped(glu(cfg, h[:, :I], h[:, I:]), p["down"])
     y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
-    if cfg.latent_moe_size:
-        if cfg.latent_moe_norm:
-            y = rms_norm(y, p["latent_norm"], cfg.rms_norm_eps)
-        y = linear(y, p["latent_up"])
-    return y + dense_mlp(cfg, p["shared"], x)
+    return latent_moe_out(cfg, p, y, linear) + dense_mlp(cfg, p["shared"], x)
 
 
 def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):

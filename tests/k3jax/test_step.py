@@ -11,8 +11,8 @@ import pytest
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint, logits
 from k3jax.model.pool import PoolLayout, read_kda, read_latents, write_kda, write_latents
-from k3jax.model.step import (Row, StepBatch, StepKernels, jit_step, moe, pack_batch, prepare_params, route,
-                              sample)
+from k3jax.model.model import route
+from k3jax.model.step import Row, StepBatch, StepKernels, jit_step, moe, pack_batch, prepare_params, sample
 from tests.helpers import rel_rms
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,3 +92,20 @@ def kernel_backends(tpu_backend: str, tpu_interpret):
             pltpu.reset_tpu_interpret_mode_state()
 
     return run
+
+
+def rewrite_safetensors(path, fn):
+    """Replace ``path/model.safetensors`` by ``fn(its tensors as a dict)`` (for broken-checkpoint tests)."""
+    from k3jax.model.loader import read_safetensors
+
+    t = fn(dict(read_safetensors(str(path / "model.safetensors"))))
+    names = {"bfloat16": "BF16", "float32": "F32", "uint8": "U8"}
+    header, blobs, off = {}, [], 0
+    for k, v in t.items():
+        b = np.ascontiguousarray(v).tobytes()
+        header[k] = {"dtype": names[v.dtype.name], "shape": list(v.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))

@@ -1,7 +1,6 @@
 """Kimi K3: the golden example (fp32 and MXFP4), MXFP4 unpacking, the K3 parts' cached paths,
 and the loader's errors on K3 checkpoints."""
 
-import json
 import os
 import shutil
 
@@ -13,7 +12,7 @@ import pytest
 from k3jax.model import (CheckpointError, ModelConfig, forward, hidden_states, init_cache, init_params,
                          load_hf_checkpoint, logits)
 from k3jax.model.loader import dequantize_mxfp4, read_safetensors
-from tests.helpers import rel_rms
+from tests.helpers import rel_rms, rewrite_safetensors
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
 
@@ -104,20 +103,6 @@ def k3_checkpoint(tmp_path):
     return dst
 
 
-def _rewrite(path, fn):
-    t = fn(dict(read_safetensors(str(path / "model.safetensors"))))
-    header, blobs, off = {}, [], 0
-    for k, v in t.items():
-        b = np.ascontiguousarray(v).tobytes()
-        header[k] = {"dtype": {"uint8": "U8", "float32": "F32"}[v.dtype.name], "shape": list(v.shape),
-                     "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    with open(path / "model.safetensors", "wb") as f:
-        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
-
-
 EXPERT = "language_model.model.layers.4.block_sparse_moe.experts.7.w3."
 
 
@@ -132,7 +117,7 @@ EXPERT = "language_model.model.layers.4.block_sparse_moe.experts.7.w3."
      "unexpected tensors .*layers.2.self_attn.extra"),
 ])
 def test_k3_loader_errors_name_the_tensor(k3_checkpoint, change, message):
-    _rewrite(k3_checkpoint, change)
+    rewrite_safetensors(k3_checkpoint, change)
     with pytest.raises(CheckpointError, match=message):
         load_hf_checkpoint(str(k3_checkpoint))
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from k3jax.model import CheckpointError, ModelConfig, forward, init_cache, init_params, load_hf_checkpoint, logits
-from tests.helpers import rel_rms
+from tests.helpers import rel_rms, rewrite_safetensors
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
 CASES = ["moe_hf_form", "original_form_sharded", "dense_bf16"]
@@ -93,38 +93,19 @@ def broken_checkpoint(tmp_path):
     return dst
 
 
-def _rewrite(path, fn):
-    from k3jax.model.loader import read_safetensors
-
-    import ml_dtypes  # noqa: F401  (bf16 arrays)
-
-    t = read_safetensors(str(path / "model.safetensors"))
-    t = fn(dict(t))
-    header, blobs, off = {}, [], 0
-    for k, v in t.items():
-        b = np.ascontiguousarray(v).tobytes()
-        header[k] = {"dtype": "BF16" if v.dtype.name == "bfloat16" else "F32", "shape": list(v.shape),
-                     "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    with open(path / "model.safetensors", "wb") as f:
-        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
-
-
 def test_loader_errors_name_the_tensor(broken_checkpoint):
     p = broken_checkpoint
-    _rewrite(p, lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.q_proj" not in k})
+    rewrite_safetensors(p, lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.q_proj" not in k})
     with pytest.raises(CheckpointError, match="missing tensor layers.1.self_attn.q_proj.weight"):
         load_hf_checkpoint(str(p))
 
 
 def test_loader_rejects_bad_shapes_and_extras(broken_checkpoint):
     p = broken_checkpoint
-    _rewrite(p, lambda t: {**t, "model.norm.weight": t["model.norm.weight"][:10]})
+    rewrite_safetensors(p, lambda t: {**t, "model.norm.weight": t["model.norm.weight"][:10]})
     with pytest.raises(CheckpointError, match="norm.weight has shape"):
         load_hf_checkpoint(str(p))
-    _rewrite(p, lambda t: {**t, "model.norm.weight": np.ones(64, np.float32), "model.extra.weight": np.ones(3, np.float32)})
+    rewrite_safetensors(p, lambda t: {**t, "model.norm.weight": np.ones(64, np.float32), "model.extra.weight": np.ones(3, np.float32)})
     with pytest.raises(CheckpointError, match="unexpected tensors.*extra"):
         load_hf_checkpoint(str(p))
 

@@ -245,13 +245,6 @@ def _interpret(interpret, backend):
     return interpret
 
 
-_CHUNK_KDA_OPTIONS = (
-    "scale", "initial_state", "cu_seqlens", "chunk_size", "checkpoint_stride", "use_qk_l2norm", "num_segments",
-    "backend", "interpret", "block_v", "num_warps", "num_stages", "prep_num_warps", "scan_precision",
-    "prep_precision", "initial_state_fn", "intermediate_dtype", "gate_lower_bound", "summary_block_v", "recurrence",
-    "prep_kernel", "wu_kernel")
-
-
 def chunk_kda(
     q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, chunk_size: int = 64,
     checkpoint_stride: int | None = None, use_qk_l2norm: bool = False, num_segments: int | None = None,
@@ -338,11 +331,10 @@ def chunk_kda(
         raise ValueError("segment-parallel prefill is implemented for the GPU kernels only (num_segments must be 1)")
     if kind == "gpu" and not gpu_head_dims_ok(K, V):
         raise ValueError(f"the GPU kernels need K and V to be powers of two >= 16, got K={K}, V={V}")
+    result_dtype = _out_dtype(v)
+    if kind == "gpu" and max(K, V) > GPU_F32_MAX_HEAD and jnp.dtype(result_dtype) == jnp.dtype(_F32):
+        q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))  # from here on a bf16 call
     out_dtype = _out_dtype(v)
-    if kind == "gpu" and max(K, V) > GPU_F32_MAX_HEAD and jnp.dtype(out_dtype) == jnp.dtype(_F32):
-        args = {n: x for n, x in locals().items() if n in _CHUNK_KDA_OPTIONS}
-        out = chunk_kda(*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, **args)
-        return (out[0].astype(_F32),) + tuple(out[1:])
     if intermediate_dtype is None:
         intermediate_dtype = default_intermediates(out_dtype) if kind == "gpu" else _F32
     store = jnp.dtype(intermediate_dtype)
@@ -465,6 +457,7 @@ def chunk_kda(
         o = o.reshape(B, T, HV, V)
     else:
         o = jnp.where(lay.tok_ok[:, None, None], o[lay.dst], 0).astype(out_dtype).reshape(B, T, HV, V)
+    o = o.astype(result_dtype)
     if checkpoint_stride is None:
         return o, final
     ckpts = ckpts[: N * n_ck].reshape(N, n_ck, HV, K, V)

@@ -16,6 +16,7 @@ special cases. Final states are collected with one psum of ``N`` states (also in
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax
@@ -42,6 +43,9 @@ def _rank_geometry(cu, lo, L, N):
     return local_cu, c, crosses, owner
 
 
+# One jitted program: outside jit, shard_map compiles each primitive on its own, and XLA:CPU
+# (jax 0.11.2) segfaults on a lone concatenate with a zero-size operand (associative_scan makes them).
+@partial(jax.jit, static_argnames=("mesh", "axis_name", "scale", "chunk_size", "kernel", "fold_dtype"))
 def chunk_kda_cp(
     q,
     k,
@@ -64,7 +68,9 @@ def chunk_kda_cp(
       q, k, v, g, beta: global arrays in the layout of :func:`k3jax.ops.kda.chunk_kda`
         (sharded or not); ``T`` must be divisible by the axis size.
       mesh, axis_name: the mesh and the axis to shard T over; other mesh axes pass through.
-      scale, initial_state, cu_seqlens, chunk_size: as in ``chunk_kda``.
+      scale, initial_state, cu_seqlens, chunk_size: as in ``chunk_kda`` (``scale`` a Python float:
+        the call is jitted with ``mesh``, ``axis_name``, ``scale``, ``chunk_size``, ``kernel`` and
+        ``fold_dtype`` static).
       kernel: the per-shard prefill op with ``chunk_kda``'s signature including
         ``initial_state_fn`` (default: the XLA path; pass ``pallas_kernels.kda.chunk_kda`` where
         it exists). Each rank's maps come from the op's own token-parallel stage.

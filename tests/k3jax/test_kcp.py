@@ -1,7 +1,12 @@
 """KDA context parallelism on 8 fake CPU devices against the single-device reference."""
 
+import os
 import re
+import subprocess
+import sys
+import tempfile
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,6 +124,40 @@ def test_bf16_fold_is_visibly_worse():
     o16, S16 = cp(8, fold_dtype=jnp.bfloat16)(q, k, v, g, beta, init=h0)
     assert rel_rms(o32, o_ref) <= TOL["f32_out"] and rel_rms(S32, S_ref) <= TOL["f32_state"]
     assert rel_rms(o16, o_ref) > TOL["f32_out"], rel_rms(o16, o_ref)
+
+
+# The plain (unjitted) call in a fresh process: it used to segfault there (eager shard_map).
+_PLAIN_CALL = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from k3jax.parallel.kcp import chunk_kda_cp
+from tests.helpers import kda_inputs, random_state
+mesh = Mesh(np.array(jax.devices()), ("cp",))
+x = kda_inputs(40, 1, 128, 1, 2, 16, 16)
+cu = jnp.array({cu}, jnp.int32)
+o, S = chunk_kda_cp(*x, mesh=mesh, axis_name="cp", initial_state=random_state(40, (6, 2, 16, 16)),
+                    cu_seqlens=cu, chunk_size=16)
+o2, S2 = chunk_kda_cp(*kda_inputs(41, 2, 128, 1, 2, 16, 16), mesh=mesh, axis_name="cp", chunk_size=16)
+np.savez(sys.argv[1], o=o, S=S, o2=o2, S2=S2)
+"""
+
+
+def test_plain_call_outside_jit_matches_jitted():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "out.npz")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.run([sys.executable, "-c", _PLAIN_CALL.format(cu=CU), path], cwd=root, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": root})
+        assert proc.returncode == 0, f"plain call exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        got = dict(np.load(path))
+    h0 = random_state(40, (len(CU) - 1, 2, 16, 16))
+    o, S = cp(8)(*kda_inputs(40, 1, 128, 1, 2, 16, 16), init=h0, cu=jnp.array(CU, jnp.int32))
+    o2, S2 = cp(8)(*kda_inputs(41, 2, 128, 1, 2, 16, 16))
+    chex.assert_trees_all_equal(got, {"o": o, "S": S, "o2": o2, "S2": S2})
 
 
 def test_indivisible_T_is_rejected():

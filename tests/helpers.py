@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +32,7 @@ def rel_rms(x, ref) -> float:
 def assert_close(x, ref, kind: str):
     """Fail unless ``rel_rms(x, ref) <= TOL[kind]`` (NaN never passes)."""
     err = rel_rms(x, ref)
-    assert x.shape == ref.shape, f"shape {x.shape} != {ref.shape}"
+    chex.assert_equal_shape([x, ref])
     assert err <= TOL[kind], f"relative RMS error {err:.3e} > {TOL[kind]:.1e} ({kind})"
 
 

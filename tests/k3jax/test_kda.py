@@ -1,6 +1,7 @@
 """Property tests for the pure-JAX KDA references (recurrent, chunked, checkpoints, decode)."""
 
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,7 +108,7 @@ def test_checkpoints_every_stride():
     q, k, v, g, beta = kda_inputs(4, 1, T, 1, 2, 16, 16)
     h0 = random_state(4, (4, 2, 16, 16))
     _, S, ck = chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, chunk_size=32, checkpoint_stride=stride)
-    assert ck.shape == (4, T // stride, 2, 16, 16)
+    chex.assert_shape(ck, (4, T // stride, 2, 16, 16))
     for n in range(4):
         a, b = int(cu[n]), int(cu[n + 1])
         for j in range(T // stride):
@@ -153,7 +154,7 @@ def test_causality_inside_sub_chunk(t0):
 def test_bf16_inputs():
     q, k, v, g, beta = kda_inputs(10, 2, 100, 2, 4, 32, 32, dtype=jnp.bfloat16)
     o, S = chunk(q, k, v, g, beta)
-    assert o.dtype == jnp.bfloat16 and S.dtype == jnp.float32
+    chex.assert_type([o, S], [jnp.bfloat16, jnp.float32])
     f32 = lambda x: x.astype(jnp.float32)
     o_ref, S_ref = naive(f32(q), f32(k), f32(v), g, f32(beta))
     assert_close(o.astype(jnp.float32), o_ref, "bf16")

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +129,7 @@ def test_commit_window_equals_running_the_prefix():
     for n in (0, 2, 6):  # none, some and all of the window
         got = jax.tree.map(lambda x: x[0], commit_window(cfg, one(c0), one(after), one(win), jnp.array([n], jnp.int32)))
         _, want = fwd(ids[24 : 24 + n], c0) if n else (None, c0)
+        chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
         assert rel_rms(got.kda_state, want.kda_state) <= 2e-3
         np.testing.assert_allclose(np.asarray(got.conv_state), np.asarray(want.conv_state), rtol=1e-6, atol=1e-6)
         assert int(got.pos) == 24 + n

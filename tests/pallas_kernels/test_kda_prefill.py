@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +47,8 @@ def test_dense_gva_initial_state_checkpoints(run, dtype):
     o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
     _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, checkpoint_stride=64)
     out, state = _kinds(dtype)
-    assert o.dtype == dtype and ck.shape == (B, 2, HV, K, V)
+    chex.assert_type(o, dtype)
+    chex.assert_shape(ck, (B, 2, HV, K, V))
     assert_close(o, o_r, out)
     assert_close(s, s_r, state)
     assert_close(ck, ck_r, state)
@@ -181,7 +183,7 @@ def test_bf16_intermediates(run):
     assert bool(jnp.array_equal(prefill.chunk_kda(*x, **kw)[0], o))
     o_r, s_r = ref.naive_recurrent_kda(*x, initial_state=h0)
     _, _, ck_r = ref.chunk_kda(*x, initial_state=h0, checkpoint_stride=64)
-    assert o.dtype == jnp.bfloat16 and s.dtype == ck.dtype == jnp.float32
+    chex.assert_type([o, s, ck], [jnp.bfloat16, jnp.float32, jnp.float32])
     assert_close(o, o_r, "bf16")
     assert_close(s, s_r, "bf16")
     assert_close(ck, ck_r, "bf16")

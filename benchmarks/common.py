@@ -8,7 +8,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 # Ceilings measured on the lent H200 (docs/benchmarks.md, BENCHMARKS.md).
 HBM_BYTES_PER_S = 3.6e12
@@ -129,11 +128,6 @@ def write_json(rows, name: str):
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
     return path
-
-
-def rel_rms(x, ref) -> float:
-    x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
-    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
 def window_step(mode, **tiling):

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from benchmarks.common import rel_rms, time_jax, write_json
-from benchmarks.kda_reference import inputs
+from benchmarks.common import time_jax, write_json
 from k3jax.ops.kda import chunk_kda
 from k3jax.ops.segments import combine_segments
 from k3jax.parallel.kcp import chunk_kda_cp
+from k3jax.testing import kda_bench_inputs, rel_rms
 from pallas_kernels.kda import chunk_kda as pallas_chunk_kda
 
 
@@ -48,7 +48,7 @@ def main():
     for T in a.T:
         # Under jit: no eager f32 temporaries. One input set from T = 262144 (two do not fit next to
         # the sharded copies at T = 524288; at these sizes no cache holds a set between calls).
-        xs = [jax.jit(partial(inputs, s, 1, T, a.H))() for s in ((1, 2) if T < 262144 else (1,))]
+        xs = [jax.jit(partial(kda_bench_inputs, s, 1, T, a.H))() for s in ((1, 2) if T < 262144 else (1,))]
         row = {"T": T, "H": a.H, "devices": n_dev}
         o_ref, S_ref = one(*xs[0])
         # Correctness of the sharded program on the devices at hand (P = n_dev, 1 on one GPU).

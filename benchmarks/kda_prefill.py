@@ -24,15 +24,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import (device_seconds, kda_prefill_hw, rel_rms, time_back_to_back_calls, time_jax, time_torch,
-                               to_torch, write_json)
-from benchmarks.kda_reference import inputs
+from benchmarks.common import (device_seconds, kda_prefill_hw, time_back_to_back_calls, time_jax, time_torch, to_torch,
+                               write_json)
 from benchmarks.kernel_profile import fla_kernel_seconds
 from k3jax.ops.kda import naive_recurrent_kda
+from k3jax.testing import PREFILL_SHAPES, kda_bench_inputs, rel_rms
 from pallas_kernels.kda import prefill, prep_mgpu, wu_mgpu
 from pallas_kernels.kda._chunk import GPU_PRECISION
 
-SHAPES = [(1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32), (1, 131072, 4), (1, 131072, 12)]
 MATCH_TOL = 1e-2
 # The benchmark's gates forget within tens of tokens, so the state entering a segment reaches few
 # outputs. The same inputs with gates times SLOW_GATE remember across a segment: a wrong segment
@@ -84,12 +83,12 @@ def main():
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    shapes = SHAPES if a.shapes is None else [tuple(map(int, s.split(","))) for s in a.shapes.split(";")]
+    shapes = PREFILL_SHAPES if a.shapes is None else [tuple(map(int, s.split(","))) for s in a.shapes.split(";")]
     configs = [dict(zip(("block_v", "num_warps", "num_stages", "prep_num_warps"),
                         (None if x == "auto" else int(x) for x in c.split(":")))) for c in a.configs.split(",")]
     theirs = lambda q, k, v, g, b: fla_chunk_kda(q, k, v, g, b, output_final_state=True)
 
-    small = inputs(0, 1, 300, 2, 64, 64, jnp.float32)
+    small = kda_bench_inputs(0, 1, 300, 2, 64, 64, jnp.float32)
     o_ref, S_ref = jax.jit(naive_recurrent_kda)(*small)
     o, S = jax.jit(prefill.chunk_kda)(*small)
     sanity = {"out": rel_rms(o, o_ref), "state": rel_rms(S, S_ref)}
@@ -99,7 +98,7 @@ def main():
     rows = []
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "sanity": sanity}
     for B, T, H in shapes:
-        xs = [inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
+        xs = [kda_bench_inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
         # The planner's P for the recurrence chunk_kda will run.
         store = lambda im: jnp.dtype(INTERMEDIATES[im] or prefill.default_intermediates(xs[0][2].dtype))
         planned = lambda cfg, im, rc: prefill.plan_segments(

@@ -14,22 +14,11 @@ import datetime
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import kda_prefill_hw, rel_rms, time_jax, time_torch, to_torch, write_json
-from k3jax.ops.kda import chunk_kda, kda_gate, l2norm, naive_recurrent_kda
+from benchmarks.common import kda_prefill_hw, time_jax, time_torch, to_torch, write_json
+from k3jax.ops.kda import chunk_kda, naive_recurrent_kda
+from k3jax.testing import XLA_PREFILL_SHAPES, kda_bench_inputs, rel_rms
 
-SHAPES = [(1, 8192, 32), (1, 32768, 32), (8, 4096, 32), (1, 8192, 96), (1, 131072, 32)]
 MATCH_TOL = 1e-2  # bf16 inputs on both sides; fla also rounds intermediates to bf16
-
-
-def inputs(seed, B, T, H, K=128, V=128, dtype=jnp.bfloat16, lower_bound=None):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = l2norm(jax.random.normal(ks[0], (B, T, H, K))).astype(dtype)
-    k = l2norm(jax.random.normal(ks[1], (B, T, H, K))).astype(dtype)
-    v = jax.random.normal(ks[2], (B, T, H, V), dtype)
-    A_log = jax.random.uniform(ks[5], (H,), minval=-1.0, maxval=0.5)
-    g = kda_gate(jax.random.normal(ks[3], (B, T, H, K)), A_log, jnp.zeros(H * K), lower_bound=lower_bound)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))).astype(dtype)
-    return q, k, v, g, beta
 
 
 def main():
@@ -41,7 +30,7 @@ def main():
     ours = jax.jit(chunk_kda)
     theirs = lambda q, k, v, g, b: fla_chunk_kda(q, k, v, g, b, output_final_state=True)
 
-    small = inputs(0, 1, 300, 2, 64, 64, jnp.float32)
+    small = kda_bench_inputs(0, 1, 300, 2, 64, 64, jnp.float32)
     o_ref, S_ref = jax.jit(naive_recurrent_kda)(*small)
     o, S = ours(*small)
     sanity = {"out": rel_rms(o, o_ref), "state": rel_rms(S, S_ref)}
@@ -49,8 +38,8 @@ def main():
     assert sanity["out"] <= 5e-4 and sanity["state"] <= 2e-3, sanity
 
     rows = []
-    for B, T, H in SHAPES:
-        xs = [inputs(s, B, T, H) for s in (1, 2)]
+    for B, T, H in XLA_PREFILL_SHAPES:
+        xs = [kda_bench_inputs(s, B, T, H) for s in (1, 2)]
         o, S = ours(*xs[0])
         o_f, S_f = theirs(*(to_torch(x) for x in xs[0]))
         err_o = rel_rms(o.astype(jnp.float32), jnp.from_dlpack(o_f.float()))

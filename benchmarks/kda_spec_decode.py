@@ -22,26 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (HBM_BYTES_PER_S, device_seconds, rel_rms, time_back_to_back_calls, time_torch, to_torch,
-                               window_step, write_json)
+from benchmarks.common import (HBM_BYTES_PER_S, device_seconds, time_back_to_back_calls, time_torch, to_torch, window_step,
+                               write_json)
 from k3jax.ops import kda as ref
-from k3jax.ops.kda import kda_gate, l2norm
+from k3jax.testing import kda_window_inputs, rel_rms
 from pallas_kernels import kda
 
 K = V = 128
 STATE_BYTES = K * V * 4
 INPUT_BYTES = 2 * K * 2 + V * 2 + K * 4 + 2  # one window position's q, k, v (bf16), g (f32), beta, per head
 DELTA_BYTES = V * 4  # its f32 delta-rule correction
-
-
-def window_inputs(seed, B, T, H):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = l2norm(jax.random.normal(ks[0], (B, T, H, K))).astype(jnp.bfloat16)
-    k = l2norm(jax.random.normal(ks[1], (B, T, H, K))).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (B, T, H, V), jnp.bfloat16)
-    g = kda_gate(jax.random.normal(ks[3], (B, T, H, K)), jnp.zeros(H), jnp.zeros(H * K))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))).astype(jnp.bfloat16)
-    return q, k, v, g, beta
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -120,7 +110,7 @@ def device_per_step(step, pool, args):
 def check(B, T, H):
     """Every step against the reference on a small batch of the same head count."""
     b = min(B, 4)
-    q, k, v, g, beta = window_inputs(99, b, T, H)
+    q, k, v, g, beta = kda_window_inputs(99, b, T, H)
     pool = jax.random.normal(jax.random.key(5), (b + 1, H, K, V), jnp.float32)
     slots = jnp.arange(b, dtype=jnp.int32)[::-1] + 1
     n = jnp.arange(b, dtype=jnp.int32) % (T + 1)
@@ -168,7 +158,7 @@ def main():
                     continue
                 num_slots = 2 * B
                 slots = jnp.asarray(np.random.default_rng(B).permutation(num_slots)[:B].astype(np.int32))
-                xs = [window_inputs(s, B, T, H) for s in (1, 2)]
+                xs = [kda_window_inputs(s, B, T, H) for s in (1, 2)]
                 rng = np.random.default_rng(T)
                 args = [(slots, jnp.asarray(rng.integers(0, T + 1, B).astype(np.int32)), *x) for x in xs]
                 pool = jax.random.normal(jax.random.key(0), (num_slots, H, K, V), jnp.float32)
@@ -237,7 +227,7 @@ def tune(heads, batches, configs, T=8):
                                             VERIFY_DELTAS, VERIFY_SNAPSHOT)
 
     for H, B in itertools.product(map(int, heads.split(",")), map(int, batches.split(","))):
-        q, k, v, g, beta = window_inputs(1, B, T, H)
+        q, k, v, g, beta = kda_window_inputs(1, B, T, H)
         slots = jnp.asarray(np.random.default_rng(0).permutation(2 * B)[:B].astype(np.int32))
         n = jnp.full((B,), T // 2, jnp.int32)
         pool = jax.random.normal(jax.random.key(0), (2 * B, H, K, V), jnp.float32)
@@ -275,7 +265,7 @@ def decode_vs_fla(heads, batches, repeats):
     rows = []
     for H in map(int, heads.split(",")):
         for B in map(int, batches.split(",")):
-            q, k, v, g, beta = window_inputs(3, B, 1, H)
+            q, k, v, g, beta = kda_window_inputs(3, B, 1, H)
             num_slots = 2 * B
             slots = jnp.asarray(np.random.default_rng(B).permutation(num_slots)[:B].astype(np.int32))
             pool = jax.random.normal(jax.random.key(1), (num_slots, H, K, V), jnp.float32)

@@ -21,7 +21,7 @@ import functools
 import jax
 
 from benchmarks.common import kernel_seconds, to_torch, write_json
-from benchmarks.kda_reference import inputs
+from k3jax.testing import kda_bench_inputs
 from pallas_kernels.kda import chunk_kda, prep_mgpu
 
 STEPS = 10
@@ -71,7 +71,7 @@ def main():
     us = lambda table: {k: v * 1e6 for k, v in table.items()}
     for shape in a.shapes.split(";"):
         B, T, H = map(int, shape.split(","))
-        xs = inputs(1, B, T, H, lower_bound=bound)
+        xs = kda_bench_inputs(1, B, T, H, lower_bound=bound)
         def show(side, table):
             print(f"\nB={B} T={T} H={H} {side}: {sum(table.values()) * 1e6:.0f} us", flush=True)
             for name, t in sorted(table.items(), key=lambda kv: -kv[1]):

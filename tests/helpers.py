@@ -1,4 +1,5 @@
-"""Shared test helpers: the one tolerance table, error metric and random KDA inputs."""
+"""Shared test helpers: the one tolerance table, the kernel-backend fixtures; the error metric and
+random KDA inputs come from :mod:`k3jax.testing` (shared with the benchmarks)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,10 @@ import json
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.kda import kda_gate, l2norm
+from k3jax.testing import kda_inputs, random_cu_seqlens, random_state, rel_rms  # noqa: F401  (re-exported)
 
 # Relative RMS error bounds against a float32/float64 reference (KDA.md).
 TOL = {
@@ -20,44 +20,11 @@ TOL = {
 }
 
 
-def rel_rms(x, ref) -> float:
-    """``||x - ref|| / ||ref||`` in float64; NaN anywhere gives inf."""
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(ref))):
-        return float("inf")
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def assert_close(x, ref, kind: str):
     """Fail unless ``rel_rms(x, ref) <= TOL[kind]`` (NaN never passes)."""
     err = rel_rms(x, ref)
     chex.assert_equal_shape([x, ref])
     assert err <= TOL[kind], f"relative RMS error {err:.3e} > {TOL[kind]:.1e} ({kind})"
-
-
-def kda_inputs(seed, B, T, H, HV, K, V, *, lower_bound=None, dtype=jnp.float32, gate_scale=1.0):
-    """Fresh random KDA inputs: L2-normalised q/k, gates from :func:`kda_gate`, beta in (0, 1)."""
-    ks = jax.random.split(jax.random.key(seed), 8)
-    q = l2norm(jax.random.normal(ks[0], (B, T, H, K)))
-    k = l2norm(jax.random.normal(ks[1], (B, T, H, K)))
-    v = jax.random.normal(ks[2], (B, T, HV, V))
-    A_log = jax.random.uniform(ks[5], (HV,), minval=-1.0, maxval=1.0)
-    dt_bias = jax.random.normal(ks[6], (HV * K,))
-    g = kda_gate(gate_scale * jax.random.normal(ks[3], (B, T, HV, K)), A_log, dt_bias, lower_bound=lower_bound)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
-    cast = lambda x: x.astype(dtype)
-    return cast(q), cast(k), cast(v), g, cast(beta)
-
-
-def random_state(seed, shape):
-    return jax.random.normal(jax.random.key(seed + 1000), shape, jnp.float32)
-
-
-def random_cu_seqlens(rng: np.random.Generator, T: int, N: int, pad: int = 0) -> np.ndarray:
-    """``N`` sequence lengths (zeros and ones included) summing to ``T - pad``."""
-    cuts = np.sort(rng.integers(0, T - pad + 1, size=N - 1))
-    return np.concatenate([[0], cuts, [T - pad]]).astype(np.int32)
 
 
 # The GPU kernels in the generic interpreter, and compiled (``-m gpu``).

@@ -1,6 +1,6 @@
 """Fleet policies on a Mooncake trace: admission budgets, routing hit rates, failover balance.
 
-``python benchmarks/fleet.py --trace ../shared/data/mooncake/synthetic_trace.jsonl`` replays the
+``python benchmarks/fleet_bench.py --trace ../shared/data/mooncake/synthetic_trace.jsonl`` replays the
 trace (time compressed by ``--time-scale``) plus bursts of 1M-token requests through 16
 simulated clusters (serving/fleet/simulator.py) and prints one JSON object; ``--plots DIR``
 writes TTFT and hit-rate figures (matplotlib).
@@ -12,13 +12,9 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
-
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from serving.fleet.simulator import CostModel, FleetSim, inject_bursts, load_trace  # noqa: E402
+from serving.fleet.simulator import CostModel, FleetSim, inject_bursts, load_trace
 
 
 def p99(xs):

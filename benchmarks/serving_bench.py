@@ -1,7 +1,7 @@
 """End-to-end serving on a mid-sized random config: prefix cache on vs off on a multi-turn
 workload, and speculative decoding on vs off on a repetitive workload.
 
-Run: ``PYTHONPATH=$PWD python3 -m benchmarks.serving`` (writes ``$OUT/serving-<kernels>-<decode>.json``).
+Run: ``PYTHONPATH=$PWD python3 -m benchmarks.serving_bench`` (writes ``$OUT/serving-<kernels>-<decode>.json``).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class RequestError(ValueError):
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # accepted seeds; negative seeds are taken modulo 2**64
+MAX_LOGPROBS = 20  # top alternatives a request may ask for with each token
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this (but > 0) samples greedily, like temperature 0
 
 
@@ -84,6 +85,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
 
     def validate(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -98,6 +100,8 @@ class SamplingParams:
             raise RequestError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Result:
     ttft_s: float
     token_times_s: list[float]
     finish_reason: str
+    logprobs: list | None = None  # per token (logprob, [(token, logprob)] top alternatives) when asked
 
 
 @dataclass
@@ -130,6 +135,7 @@ class _Req:
     finished: threading.Event = field(default_factory=threading.Event)
     result: Result | None = None
     aborted: bool = False
+    logprobs: list = field(default_factory=list)  # filled before on_token sees the token
     spec_misses: int = 0  # consecutive verify windows that accepted no draft
     spec_wait: int = 0  # decode steps left before drafting again
 
@@ -144,8 +150,9 @@ def _bucket_floor(n: int) -> int:
 
 class EngineBase:
     """What both engines do with requests on the host: validation, offline ``generate``, token
-    emission with stop and length checks, completion. Subclasses set ``cfg``, ``max_len`` and
-    ``metrics`` and define ``submit``, ``step`` and ``_finish``."""
+    emission with stop and length checks, completion, failing a step's requests, stats.
+    Subclasses set ``cfg``, ``max_len``, ``metrics`` and ``_live`` (``{}``) and define ``submit``
+    (which calls :meth:`_track`), ``step``, ``_finish``, ``_release`` and ``_counts``."""
 
     def validate(self, prompt: list[int], sp: SamplingParams):
         """Raise :class:`RequestError` for a request that can never be served."""
@@ -159,25 +166,57 @@ class EngineBase:
             raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_token_ids=()) -> list[Result]:
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids=(), logprobs: int | None = None
+                 ) -> list[Result]:
         """Run prompts to completion (offline use); results in prompt order."""
         reqs = [self.submit(p, SamplingParams(max_tokens, temperature, top_k, top_p,
-                                              None if seed is None else seed + i, tuple(stop_token_ids)))
+                                              None if seed is None else seed + i, tuple(stop_token_ids), logprobs))
                 for i, p in enumerate(prompts)]
         while not all(r.finished.is_set() for r in reqs):
             self.step()
         return [r.result for r in reqs]
 
-    def abort(self, req: _Req):
+    def abort(self, req):
         """Cancel a request (e.g. the client disconnected); its pages are released next step."""
         req.aborted = True
 
-    def _emit_token(self, r: _Req, tok: int):
+    @property
+    def num_waiting(self) -> int:
+        return self._counts()["waiting"]
+
+    def stats(self) -> dict:
+        """Gauges for the server: ``waiting``, ``running``, ``free_pages``, ``free_slots``,
+        ``prefix_cache_hit_tokens`` and engine-specific counters."""
+        return {**self._counts(), "prefix_cache_hit_tokens": self.metrics.get("cached_tokens", 0)}
+
+    def fail_running(self, exc: BaseException) -> list:
+        """A step raised ``exc``: finish every request that has left the queue (running, or taken
+        off it by the failed step) with an ``error:`` reason and free what it held; the engine
+        stays usable and the waiting requests are served later. Returns the failed requests."""
+        reason = f"error: the engine failed while serving this request: {exc!r}"
+        waiting = self._waiting_ids()
+        failed = [r for r in list(self._live.values()) if r.rid not in waiting]
+        for r in failed:
+            try:
+                self._release(r)
+            except Exception:  # noqa: BLE001 - the request fails either way
+                log.exception("releasing request %d after a failed step failed", r.rid)
+            self._complete(r, reason)
+        return failed
+
+    def _track(self, r):
+        self._live[r.rid] = r
+        return r
+
+    def _emit_token(self, r, tok: int, logprobs=None):
+        """``logprobs``: ``(logprob, [(token, logprob)])`` of this token when the request asked."""
         now = time.perf_counter() - r.t0
         if not r.out:
             self.metrics["ttft_sum_s"] += now
         r.out.append(tok)
         r.times.append(now)
+        if r.sp.logprobs is not None:
+            r.logprobs.append(logprobs)
         self.metrics["generation_tokens"] += 1
         if r.on_token is not None:
             r.on_token(tok)
@@ -186,15 +225,25 @@ class EngineBase:
         elif len(r.out) >= r.sp.max_tokens:
             self._finish(r, "length")
 
-    def _complete(self, r: _Req, reason: str):
+    def _complete(self, r, reason: str):
+        if self._live.pop(r.rid, None) is None and r.finished.is_set():
+            return
         self.metrics["requests_finished"] += 1
         self.metrics["requests_aborted"] += reason == "abort"
         self.metrics["prompt_tokens"] += len(r.prompt)
         r.result = Result(r.rid, r.prompt, list(r.out), r.cached, r.times[0] if r.times else float("nan"),
-                          list(r.times), reason)
+                          list(r.times), reason, list(r.logprobs) if r.sp.logprobs is not None else None)
         r.finished.set()
         if r.on_token is not None:
             r.on_token(None)
+
+
+def token_logprobs(logits: np.ndarray, tok: int, k: int):
+    """``(logprob of tok, [(token, logprob)] of the k most likely)`` from ``logits [V]``."""
+    x = np.asarray(logits, np.float64)
+    lp = x - x.max() - np.log(np.sum(np.exp(x - x.max())))
+    top = np.argsort(-lp, kind="stable")[:k]
+    return float(lp[tok]), [(int(t), float(lp[t])) for t in top]
 
 
 class Engine(EngineBase):
@@ -253,6 +302,7 @@ class Engine(EngineBase):
             self.cache = PrefixCache(CacheConfig(hash_tokens, self.B, 1, 1), self.pool)
         self.waiting: deque[_Req] = deque()
         self.running: dict[int, _Req] = {}
+        self._live: dict[int, _Req] = {}
         self.free_slots = list(range(max_slots - 1, -1, -1))
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -276,7 +326,7 @@ class Engine(EngineBase):
         self.validate(prompt, sp)
         req = _Req(next(self._ids), prompt, sp, on_token)
         with self._lock:
-            self.waiting.append(req)
+            self.waiting.append(self._track(req))
             self.metrics["requests"] += 1
         return req
 
@@ -505,7 +555,7 @@ class Engine(EngineBase):
             log.exception("sampling failed for request %d", r.rid)
             self._finish(r, f"error: sampling failed: {e!r}")
             return
-        self._emit_token(r, tok)
+        self._emit_token(r, tok, None if r.sp.logprobs is None else token_logprobs(logits, tok, r.sp.logprobs))
 
     def _finish(self, r: _Req, reason: str):
         if self.cache is not None:
@@ -513,6 +563,24 @@ class Engine(EngineBase):
         del self.running[r.rid]
         self.free_slots.append(r.slot)
         self._complete(r, reason)
+
+    def _release(self, r: _Req):
+        """Free what a failed request holds (its cache entries are withdrawn, not kept)."""
+        if self.running.pop(r.rid, None) is not None:
+            if self.cache is not None:
+                self.cache.abort(r.rid)
+            if r.slot >= 0 and r.slot not in self.free_slots:
+                self.free_slots.append(r.slot)
+        r.slot = -1
+
+    def _waiting_ids(self) -> set[int]:
+        with self._lock:
+            return {r.rid for r in self.waiting}
+
+    def _counts(self) -> dict:
+        return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": len(self.free_slots),
+                "free_pages": 0 if self.pool is None else self.pool.num_free + self.pool.num_evictable,
+                "preemptions": self.metrics["preemptions"]}
 
     def _reject(self, r: _Req, reason: str):
         self.metrics["requests_rejected"] += 1

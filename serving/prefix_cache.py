@@ -283,21 +283,24 @@ class PrefixCache:
             req.blocks.append(u.pages)
         req.num_tokens = num_tokens
 
-    def on_forward(self, req_id, done: int) -> list[tuple[int, tuple[int, ...]]]:
+    def on_forward(self, req_id, done: int, *, end_only: bool = False) -> list[tuple[int, tuple[int, ...]]]:
         """Tokens ``[req.done, done)`` were computed in this step: register the MLA endpoints they
         complete and allocate checkpoints for the hash boundaries crossed.
 
         Returns ``[(boundary_tokens, kda_pages)]``: the engine writes the state at each boundary
         into those pages (the prefill kernel emits them without a second pass). The newest
         boundary is always written (intermediate, reclaimed when superseded unless the policy
-        keeps it). Raises PoolExhausted if a checkpoint cannot be allocated (nothing changes).
+        keeps it); with ``end_only`` only a boundary at ``done`` itself (an engine that writes the
+        state after its rows only). Raises PoolExhausted if a checkpoint cannot be allocated
+        (nothing changes).
         """
         req = self._reqs[req_id]
         H, r = self.cfg.hash_tokens, self.cfg.hashes_per_block
         if not req.done <= done <= req.num_tokens:
             raise ValueError(f"done={done} outside [{req.done}, {req.num_tokens}]")
         first, last = req.done // H + 1, min(done // H, len(req.hashes))
-        new = [b for b in range(first, last + 1) if self._keeps(req, b) or b == last]
+        new = [b for b in range(first, last + 1) if (self._keeps(req, b) or b == last)
+               and not (end_only and b * H != done)]
         units = []
         try:
             for _ in new:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from k3jax.model.step import Row
 from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
+from serving.prefix_cache import PrefixCache, chain_hashes
 
 
 @dataclass
@@ -38,10 +39,14 @@ class Request:
     pages: list[int] = field(default_factory=list)
     slot: int = -1
     done: int = 0
-    cached: int = 0  # prompt tokens served from a prefix cache (none yet)
+    cached: int = 0  # prompt tokens served from the prefix cache
+    hashes: list[int] = field(default_factory=list)  # chain hashes of the complete hash blocks of tokens
+    restore: tuple[int, tuple[int, int] | None] | None = None  # a hit's (checkpoint, page copy), for its first row
+    cache_tokens: int = 0  # tokens the prefix cache has given pages for
     aborted: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     result: object = None
+    logprobs: list = field(default_factory=list)  # filled before on_token sees the token
 
     @property
     def tokens(self) -> list[int]:
@@ -66,13 +71,24 @@ class StepPlan:
 
 class Scheduler:
     """Plans steps under ``token_budget`` tokens, at most ``max_decode`` decode rows and
-    ``max_prefill_rows`` prefill chunks of at most ``max_chunk`` tokens each."""
+    ``max_prefill_rows`` prefill chunks of at most ``max_chunk`` tokens each.
+
+    With a :class:`serving.prefix_cache.PrefixCache` (over the same pool; its block is the MLA
+    page), admission looks the prompt up and takes the hit: full MLA pages shared by refcount,
+    a partial page copied and the KDA checkpoint read into the request's slot by its first
+    row, inside the step. A prefill chunk that crosses a hash boundary ends on the last one it
+    crosses, so the state the step writes after it is that boundary's checkpoint. Registrations
+    of a step become visible when the engine calls :meth:`landed` after the step finished."""
 
     def __init__(self, pool: PagePool, page_tokens: int, *, token_budget: int, max_decode: int,
-                 max_prefill_rows: int, max_chunk: int):
+                 max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None):
         self.pool, self.P = pool, page_tokens
         self.budget = token_budget
         self.max_decode, self.max_prefill_rows, self.max_chunk = max_decode, max_prefill_rows, max_chunk
+        self.cache = cache
+        self.H = cache.cfg.hash_tokens if cache else 0
+        if cache and cache.cfg.block_tokens != page_tokens:
+            raise ValueError(f"the prefix cache's block ({cache.cfg.block_tokens}) must be the page ({page_tokens})")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
@@ -81,33 +97,71 @@ class Scheduler:
         self._lock = threading.Lock()
 
     def new_request(self, prompt, sp, seed, on_token=None) -> Request:
-        req = Request(next(self._ids), list(prompt), sp, seed, on_token)
+        """A request with a fresh id (not queued: see :meth:`add`)."""
+        return Request(next(self._ids), list(prompt), sp, seed, on_token)
+
+    def add(self, req: Request):
+        """Queue a request (thread-safe)."""
         with self._lock:
             self.waiting.append(req)
-        return req
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- pages
-    def _grow(self, r: Request, tokens: int) -> bool:
-        """Give ``r`` a state slot and pages for ``tokens`` tokens; False (nothing allocated beyond
-        what ``r`` had) if it cannot. A running request preempts requests admitted after it when
-        the pool is dry (the oldest always progresses); a new one only takes free pages."""
-        need = (r.slot < 0) + max(0, -(-tokens // self.P) - len(r.pages))
+    def _make_room(self, r: Request, need: int) -> bool:
+        """Free pages until ``need`` can be allocated: a running request preempts requests
+        admitted after it (the oldest always progresses); a new one only takes free pages."""
         while not self.pool.can_allocate(need):
             later = self.running[self.running.index(r) + 1 :] if r in self.running else []
             if not later:
                 return False
             self.preempt(later[-1])
-        try:
-            if r.slot < 0:
-                r.slot = self.pool.allocate(KDA)
-            while len(r.pages) * self.P < tokens:
-                r.pages.append(self.pool.allocate(MLA))
-        except PoolExhausted:  # cannot happen after can_allocate; never leave a half-grown request
-            return False
         return True
+
+    def _admit(self, r: Request) -> bool:
+        """Give a new (or preempted) request its state slot; with the prefix cache, look it up and
+        take its pages for the tokens to prefill. False (nothing held) if it does not fit now."""
+        if self.cache is None:
+            if not self.pool.can_allocate(1):
+                return False
+            r.slot = self.pool.allocate(KDA)
+            return True
+        self._hash(r)
+        try:
+            adm = self.cache.admit(r.rid, r.hashes, r.prefill_end)
+        except PoolExhausted:
+            return False
+        r.slot, r.pages = adm.slot[0], [b[0] for b in adm.block_table]
+        r.done = r.cached = adm.num_cached_tokens
+        r.cache_tokens = r.prefill_end
+        if r.done:
+            copy = (adm.copy_block_from[0], r.pages[r.done // self.P]) if adm.copy_block_from else None
+            r.restore = (adm.copy_state_from[0], copy)
+        return True
+
+    def _hash(self, r: Request):
+        full = len(r.tokens) // self.H
+        if len(r.hashes) < full:
+            r.hashes += chain_hashes(r.tokens[len(r.hashes) * self.H : full * self.H], self.H,
+                                     r.hashes[-1] if r.hashes else 0)
+
+    def _grow(self, r: Request, end: int) -> int | None:
+        """Pages for ``r``'s tokens up to ``end`` (and with the prefix cache, the checkpoint page of
+        a hash boundary at ``end``): the checkpoint page, -1 for none, or None if it cannot."""
+        ckpt = bool(self.cache) and end % self.H == 0 and end // self.H > r.done // self.H
+        if not self._make_room(r, max(0, -(-end // self.P) - len(r.pages)) + ckpt):
+            return None
+        if self.cache is None:
+            while len(r.pages) * self.P < end:
+                r.pages.append(self.pool.allocate(MLA))
+            return -1
+        self._hash(r)
+        r.cache_tokens = max(r.cache_tokens, end)
+        self.cache.extend(r.rid, r.hashes, r.cache_tokens)
+        r.pages = [b[0] for b in self.cache.request_blocks(r.rid)]
+        writes = self.cache.on_forward(r.rid, end, end_only=True)
+        return writes[0][1][0] if writes else -1
 
     def take_aborted_waiting(self) -> list[Request]:
         """Remove and return the aborted requests still waiting (wherever they are in the queue)."""
@@ -116,10 +170,18 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.aborted)
         return gone
 
-    def release(self, r: Request):
-        for p in r.pages + ([r.slot] if r.slot >= 0 else []):
-            self.pool.decref(p)
-        r.pages, r.slot, r.done = [], -1, 0
+    def waiting_ids(self) -> set[int]:
+        with self._lock:
+            return {r.rid for r in self.waiting}
+
+    def release(self, r: Request, *, keep: bool = False):
+        """Free ``r``'s pages; with ``keep`` (a finished request) what it cached stays cached."""
+        if self.cache is not None and r.slot >= 0:
+            (self.cache.finish if keep else self.cache.abort)(r.rid)
+        elif r.slot >= 0:
+            for p in r.pages + [r.slot]:
+                self.pool.decref(p)
+        r.pages, r.slot, r.done, r.restore, r.cache_tokens = [], -1, 0, None, 0
         if r in self.running:
             self.running.remove(r)
 
@@ -131,6 +193,11 @@ class Scheduler:
         with self._lock:
             self.waiting.appendleft(r)
 
+    def landed(self):
+        """The planned step has finished on the device: what it wrote becomes matchable."""
+        if self.cache is not None:
+            self.cache.end_step()
+
     # ---- planning
     def plan(self) -> StepPlan:
         self._preempted_now: set[int] = set()
@@ -140,22 +207,27 @@ class Scheduler:
                 break
             if r.rid in self._preempted_now:
                 continue
-            if r.out and r.done == len(r.tokens) - 1 and self._grow(r, r.done + 1):
-                rows.append((True, self._row(r, r.tokens[-1:]), r, True))
+            if r.out and r.done == len(r.tokens) - 1 and (ck := self._grow(r, r.done + 1)) is not None:
+                rows.append((True, self._row(r, r.tokens[-1:], ck), r, True))
         budget = self.budget - len(rows)
         n_prefill = 0
         for r in self._prefill_candidates():
-            if budget <= 0 or n_prefill == self.max_prefill_rows:
+            if budget <= 0 or n_prefill == self.max_prefill_rows or (r.slot < 0 and not self._admit(r)):
                 self._requeue(r)
                 break
-            n = min(r.prefill_end - r.done, budget, self.max_chunk)
-            if not self._grow(r, r.done + n):
-                self._requeue(r)
-                break
-            if r not in self.running:
+            new = r not in self.running
+            if new:
                 self.running.append(r)
-            rows.append((False, self._row(r, r.tokens[r.done : r.done + n]), r, r.done + n == r.prefill_end and not r.out))
-            budget -= n
+            end = r.done + min(r.prefill_end - r.done, budget, self.max_chunk)
+            if self.cache and end // self.H > r.done // self.H:
+                end = end // self.H * self.H  # end on the last hash boundary crossed: its checkpoint
+            if (ck := self._grow(r, end)) is None:
+                if new:  # not admitted after all: hold nothing while waiting
+                    self.release(r)
+                    self._requeue(r)
+                break
+            rows.append((False, self._row(r, r.tokens[r.done : end], ck), r, end == r.prefill_end and not r.out))
+            budget -= end - r.done
             n_prefill += 1
         # A request preempted while this step was planned has no pages now: its rows go.
         rows = [x for x in rows if x[2].rid not in self._preempted_now]
@@ -180,10 +252,12 @@ class Scheduler:
                 r = self.waiting.popleft()
             yield r
 
-    def _row(self, r: Request, tokens: list[int]) -> Row:
+    def _row(self, r: Request, tokens: list[int], checkpoint: int) -> Row:
         sp = r.sp
-        return Row(tokens, r.done, list(r.pages), r.slot, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                   seed=r.seed)
+        src, copy = r.restore if r.restore else (None, None)
+        r.restore = None
+        return Row(tokens, r.done, list(r.pages), r.slot, src=src, checkpoint=checkpoint, copy=copy,
+                   temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=r.seed)
 
     def advance(self, plan: StepPlan):
         """The step ran: every planned row's tokens are in the cache."""

@@ -2,8 +2,8 @@
 step per bucket, compiled at start-up) under :class:`serving.scheduler.Scheduler` (host: one
 token budget per step, pages, preemption).
 
-Not yet here (issue 52): the prefix cache on the device pool, speculative decoding on the step,
-dispatching step N + 1 before reading step N's tokens. :class:`serving.engine.Engine` remains the
+Not yet here (issue 52): speculative decoding on the step, dispatching step N + 1 before reading
+step N's tokens. :class:`serving.engine.Engine` remains the
 server's engine until they are.
 """
 
@@ -20,8 +20,9 @@ import numpy as np
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import StepKernels, jit_step, pack_batch, prepare_params
-from serving.engine import CONFIGS, EMBEDDED, EngineBase, SamplingParams, default_kernels
+from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, SamplingParams, default_kernels
 from serving.page_pool import PagePool
+from serving.prefix_cache import CacheConfig, PrefixCache
 from serving.scheduler import Request, Scheduler, StepPlan
 
 log = logging.getLogger("k3jax.step_engine")
@@ -38,12 +39,24 @@ def load_model(model, seed: int = 0):
     return load_hf_checkpoint(model)
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+def _powers_of_four(lo: int, hi: int) -> tuple[int, ...]:
+    """``lo, 4 lo, 16 lo, ...`` below ``hi``, then ``hi``: few buckets (each is a compilation),
+    at most 4x padding."""
     out, n = [], lo
     while n < hi:
         out.append(n)
-        n *= 2
+        n *= 4
     return tuple(out) + (hi,)
+
+
+DEFAULT_COMPILE_CACHE = os.environ.get("K3JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/k3jax/xla"))
+
+
+def use_compile_cache(path: str):
+    """Point JAX's persistent compilation cache at ``path`` unless one is already configured."""
+    if not jax.config.jax_compilation_cache_dir:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
 
 
 class Runner:
@@ -52,8 +65,10 @@ class Runner:
     (pool donated) and returns the sampled ``int32`` token of every planned row."""
 
     def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
-                 decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int):
+                 decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int,
+                 num_logprobs: int = MAX_LOGPROBS):
         self.cfg, self.params, self.lay, self.kernels = cfg, params, lay, kernels
+        self.num_logprobs = num_logprobs
         self.num_pages, self.max_blocks, self.max_prefill_rows = num_pages, max_blocks, max_prefill_rows
         self.decode_buckets, self.prefill_buckets = tuple(sorted(decode_buckets)), tuple(sorted(prefill_buckets))
         if not self.decode_buckets or not self.prefill_buckets:
@@ -70,28 +85,35 @@ class Runner:
         batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd + tp,
                            num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
                            num_pages=self.num_pages)
-        out, self.pool = jit_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, batch)
-        return out.tokens
+        out, self.pool = jit_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, batch,
+                                  num_logprobs=self.num_logprobs)
+        return out
 
     def warmup(self):
         """Compile every bucket on all-padding batches (they write nothing), with a progress line each."""
         keys = [(nd, tp) for nd in (0,) + self.decode_buckets for tp in (0,) + self.prefill_buckets if nd or tp]
         for i, (nd, tp) in enumerate(keys):
             t0 = time.perf_counter()
-            jax.block_until_ready(self._call(nd, tp, [], []))
+            jax.block_until_ready(self._call(nd, tp, [], []).tokens)
             self.compiled.add((nd, tp))
             log.info("compiled step %d/%d (decode rows %d, prefill tokens %d) in %.1fs", i + 1, len(keys), nd, tp,
                      time.perf_counter() - t0)
 
-    def run(self, plan: StepPlan) -> np.ndarray:
+    def run(self, plan: StepPlan, logprobs: bool = False):
+        """``(tokens i32[rows], logprobs)`` of the planned rows in plan order; ``logprobs`` is
+        ``(logprob f32[rows], top_ids i32[rows, n], top_logprobs f32[rows, n])`` when asked, else
+        None (only the tokens come back from the device)."""
         nd, tp = self.bucket(len(plan.decode), sum(len(r.tokens) for r in plan.prefill))
         if (nd, tp) not in self.compiled:
             self.compiles_while_serving += 1
             self.compiled.add((nd, tp))
             log.warning("compiling step (decode rows %d, prefill tokens %d) while serving", nd, tp)
-        tokens = np.asarray(self._call(nd, tp, plan.decode, plan.prefill))
-        rows = list(range(len(plan.decode))) + [nd + i for i in range(len(plan.prefill))]
-        return tokens[rows]
+        out = self._call(nd, tp, plan.decode, plan.prefill)
+        rows = np.array(list(range(len(plan.decode))) + [nd + i for i in range(len(plan.prefill))], np.int32)
+        lps = None
+        if logprobs:
+            lps = tuple(np.asarray(x)[rows] for x in (out.logprob, out.top_ids, out.top_logprobs))
+        return np.asarray(out.tokens)[rows], lps
 
 
 class StepEngine(EngineBase):
@@ -102,45 +124,66 @@ class StepEngine(EngineBase):
       max_running: decode rows per step; max_len: tokens per request (prompt + output).
       token_budget: tokens per step (decode rows and prefill chunks); max_prefill_rows: prefill
         chunks per step; max_chunk: tokens per chunk.
+      prefix_cache: share prompt prefixes across requests (SERVING.md); hash_tokens: its hash
+        block (the reuse unit; pages are a multiple of it).
       num_pages: pool pages (None: 80% of the device's free memory on an accelerator, else enough
         for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
-        a KDA state page allows, a multiple of 16).
-      decode_buckets, prefill_buckets: compiled batch sizes (None: powers of two up to the limits).
+        a KDA state page allows, a multiple of the hash block).
+      decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
+      compile_cache: directory of JAX's persistent compilation cache (None: leave JAX's setting;
+        default ``$K3JAX_COMPILE_CACHE`` or ``~/.cache/k3jax/xla``), so a restart compiles nothing.
     """
 
     def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
                  token_budget: int = 512, max_prefill_rows: int = 4, max_chunk: int | None = None,
-                 num_pages: int | None = None, page_tokens: int | None = None, decode_buckets=None,
-                 prefill_buckets=None, kernels: StepKernels | None = None, seed: int = 0):
+                 prefix_cache: bool = True, hash_tokens: int = 512, num_pages: int | None = None,
+                 page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
+                 kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE):
+        if compile_cache:
+            use_compile_cache(compile_cache)
         self.cfg, ref = load_model(model, seed)
         self.max_len = max_len
-        lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype)
+        lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype,
+                                   token_multiple=hash_tokens if prefix_cache else 16)
+        if prefix_cache and lay.page_tokens % hash_tokens:
+            raise ValueError(f"page_tokens {lay.page_tokens} must be a multiple of hash_tokens {hash_tokens}")
         max_blocks = -(-max_len // lay.page_tokens)
         params = prepare_params(self.cfg, ref, dtype)
         del ref  # before the pool is sized from free memory
         if token_budget <= max_running:
             raise ValueError(f"token_budget {token_budget} must exceed max_running {max_running} (room for prefill)")
         max_chunk = max_chunk or token_budget
-        decode_buckets = decode_buckets or _powers_of_two(1, max_running)
-        prefill_buckets = prefill_buckets or _powers_of_two(16, token_budget)
+        decode_buckets = decode_buckets or _powers_of_four(4, max_running)
+        prefill_buckets = prefill_buckets or _powers_of_four(64, token_budget)
         if max(decode_buckets) < max_running or max(prefill_buckets) < min(token_budget, max_prefill_rows * max_chunk):
             raise ValueError(f"the largest buckets ({max(decode_buckets)}, {max(prefill_buckets)}) must cover "
                              f"max_running {max_running} and the prefill tokens a step can plan")
         if num_pages is None:
             num_pages = _default_pages(lay, max_running, max_blocks)
-        if num_pages < max_blocks + 1:
+        spare = 3 if prefix_cache else 1  # the state page, and two checkpoint pages while one supersedes the other
+        if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
-                             f"({max_blocks} MLA pages of {lay.page_tokens} tokens + a state page)")
+                             f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
         kernels = kernels or StepKernels(chunk_kda=default_kernels(self.cfg).chunk_kda)
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
                              prefill_buckets=prefill_buckets,
                              max_prefill_rows=max_prefill_rows, max_blocks=max_blocks)
-        self.sched = Scheduler(PagePool(num_pages, with_storage=False), lay.page_tokens, token_budget=token_budget,
-                               max_decode=max_running, max_prefill_rows=max_prefill_rows,
-                               max_chunk=max_chunk)
+        self._sched_args = dict(token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,
+                                max_chunk=max_chunk)
+        self.hash_tokens = hash_tokens if prefix_cache else None
+        self.sched = self._scheduler()
         self._rng = np.random.default_rng(seed)
+        self._live: dict[int, Request] = {}
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
-                        "generation_tokens": 0, "steps": 0, "step_tokens": 0, "step_time_s": 0.0, "ttft_sum_s": 0.0}
+                        "generation_tokens": 0, "cached_tokens": 0, "steps": 0, "step_tokens": 0, "step_time_s": 0.0,
+                        "ttft_sum_s": 0.0}
+
+    def _scheduler(self) -> Scheduler:
+        """A scheduler over an empty pool (and an empty prefix cache)."""
+        pool = PagePool(self.runner.num_pages, with_storage=False)
+        P = self.runner.lay.page_tokens
+        cache = PrefixCache(CacheConfig(self.hash_tokens, P, 1, 1), pool) if self.hash_tokens else None
+        return Scheduler(pool, P, cache=cache, **self._sched_args)
 
     def warmup(self):
         self.runner.warmup()
@@ -155,7 +198,9 @@ class StepEngine(EngineBase):
         self.validate(prompt, sp)
         seed = int(self._rng.integers(2**32)) if sp.seed is None else int(sp.seed) % 2**32
         self.metrics["requests"] += 1
-        return self.sched.new_request(prompt, sp, seed, on_token)
+        req = self._track(self.sched.new_request(prompt, sp, seed, on_token))
+        self.sched.add(req)
+        return req
 
     def has_work(self) -> bool:
         return self.sched.has_work()
@@ -170,18 +215,47 @@ class StepEngine(EngineBase):
         if not plan.requests:
             return
         t0 = time.perf_counter()
-        tokens = self.runner.run(plan)
+        tokens, lps = self.runner.run(plan, logprobs=any(r.sp.logprobs is not None for r in plan.requests))
         self.metrics["steps"] += 1
         self.metrics["step_tokens"] += len(plan.decode) + sum(len(r.tokens) for r in plan.prefill)
         self.metrics["step_time_s"] += time.perf_counter() - t0
         self.sched.advance(plan)
-        for r, keep, tok in zip(plan.requests, plan.keep, tokens):
+        for i, (r, keep, tok) in enumerate(zip(plan.requests, plan.keep, tokens)):
             if keep:
-                self._emit_token(r, int(tok))
+                self.metrics["cached_tokens"] += r.cached if not r.out else 0
+                k = r.sp.logprobs
+                lp = None if k is None else (float(lps[0][i]), [(int(t), float(x)) for t, x in
+                                                                 zip(lps[1][i, :k], lps[2][i, :k])])
+                self._emit_token(r, int(tok), lp)
+        self.sched.landed()
+
+    def fail_running(self, exc: BaseException) -> list:
+        failed = super().fail_running(exc)
+        if self.runner.pool.is_deleted():  # the failed step consumed the donated pool: start afresh
+            log.error("the page pool was lost with the failed step: the prefix cache starts empty")
+            self.runner.pool = self.runner.lay.allocate(self.runner.num_pages)
+            self.sched = self._scheduler()  # the waiting requests move over in order
+            for r in self._live.values():
+                self.sched.add(r)
+        else:
+            self.sched.landed()
+        return failed
 
     def _finish(self, r: Request, reason: str):
-        self.sched.release(r)
+        self.sched.release(r, keep=reason in ("stop", "length"))
         self._complete(r, reason)
+
+    def _release(self, r: Request):
+        self.sched.release(r)
+
+    def _waiting_ids(self) -> set[int]:
+        return self.sched.waiting_ids()
+
+    def _counts(self) -> dict:
+        s = self.sched
+        return {"waiting": len(s.waiting), "running": len(s.running), "free_slots": s.max_decode - len(s.running),
+                "free_pages": s.pool.num_free + s.pool.num_evictable, "preemptions": s.preemptions,
+                "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 
 
 def _default_pages(lay: PoolLayout, max_running: int, max_blocks: int) -> int:

@@ -124,6 +124,12 @@ def _write_ids(pages, num_pages):
     return jnp.where((pages >= 0) & (pages < num_pages), pages, num_pages)
 
 
+def copy_pages(pool, src, dst):
+    """Copy whole pages ``src i32[n]`` -> ``dst i32[n]`` (pairs with a negative id do nothing)."""
+    ok = (src >= 0) & (dst >= 0)
+    return pool.at[_write_ids(jnp.where(ok, dst, -1), pool.shape[0])].set(pool[jnp.maximum(src, 0)], mode="drop")
+
+
 def read_kda(lay: PoolLayout, pool, pages, layer: int):
     """KDA layer ``layer``'s state ``f32[B, HV, K, V]`` and conv state ``f32[B, W - 1, 3 * HV * K]``
     from ``pages i32[B]``; a negative page id reads zeros (a fresh request)."""

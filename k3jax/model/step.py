@@ -31,7 +31,7 @@ import numpy as np
 
 from k3jax.model.config import ModelConfig
 from k3jax.model.model import Trunk, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm, route
-from k3jax.model.pool import PoolLayout, read_kda, read_latents, token_pages, write_kda, write_latents
+from k3jax.model.pool import PoolLayout, copy_pages, read_kda, read_latents, token_pages, write_kda, write_latents
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2norm
 
@@ -67,8 +67,10 @@ class StepBatch(NamedTuple):
     (-1 unused); state_slot ``i32[R]`` the request's KDA state page (-1: padding row, nothing
     written); state_src ``i32[R]`` the page its state is read from (its own slot, a prefix-cache
     checkpoint to resume from, or -1 for zero state); checkpoint ``i32[R]`` a page that also
-    receives the row's final state (-1: none); temperature ``f32[R]`` (0: greedy), top_k
-    ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed ``u32[R]``.
+    receives the row's final state (-1: none); copy_src / copy_dst ``i32[R]`` a whole page copied
+    before anything runs (a prefix-cache hit's partial MLA page into the request's own; -1: none);
+    temperature ``f32[R]`` (0: greedy), top_k ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed
+    ``u32[R]``.
     """
 
     tokens: jax.Array
@@ -78,6 +80,8 @@ class StepBatch(NamedTuple):
     state_slot: jax.Array
     state_src: jax.Array
     checkpoint: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
@@ -319,6 +323,7 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
                batch: StepBatch, *, num_logprobs: int = 0, return_logits: bool = False):
     """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``."""
     rows = _rows(batch, num_decode)
+    pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
     dt = params["embed"].dtype
     trunk = Trunk(cfg, params["embed"][batch.tokens].astype(f32))
     ik = im = 0
@@ -351,7 +356,8 @@ def jit_step(cfg, lay, kernels, num_decode, params, pool, batch, *, num_logprobs
 class Row(NamedTuple):
     """One row for :func:`pack_batch`: ``tokens`` to run after ``start`` cached tokens, its MLA
     ``pages``, its state ``slot``, where its state comes from (``src``: defaults to ``slot`` when
-    ``start > 0``, else -1), an optional ``checkpoint`` page and sampling parameters."""
+    ``start > 0``, else -1), an optional ``checkpoint`` page, an optional page ``copy`` ``(src, dst)``
+    done before the step, and sampling parameters."""
 
     tokens: list
     start: int
@@ -359,6 +365,7 @@ class Row(NamedTuple):
     slot: int
     src: int | None = None
     checkpoint: int = -1
+    copy: tuple[int, int] | None = None
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -382,7 +389,8 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
     out = dict(tokens=np.zeros(num_tokens, np.int32), cu_seqlens=np.zeros(R + 1, np.int32),
                start=np.zeros(R, np.int32), block_tables=np.full((R, max_blocks), -1, np.int32),
                state_slot=np.full(R, -1, np.int32), state_src=np.full(R, -1, np.int32),
-               checkpoint=np.full(R, -1, np.int32), temperature=np.zeros(R, np.float32),
+               checkpoint=np.full(R, -1, np.int32), copy_src=np.full(R, -1, np.int32),
+               copy_dst=np.full(R, -1, np.int32), temperature=np.zeros(R, np.float32),
                top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32), seed=np.zeros(R, np.uint32))
     placed = [(i, r) for i, r in enumerate(decode)] + [(num_decode + i, r) for i, r in enumerate(prefill)]
     lens = np.zeros(R, np.int32)
@@ -393,7 +401,7 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
         if r.start + n > len(r.pages) * lay.page_tokens or len(r.pages) > max_blocks:
             raise ValueError(f"row {i}: context {r.start + n} exceeds its block table "
                              f"({len(r.pages)} pages of {lay.page_tokens} tokens, bucket {max_blocks} pages)")
-        ids = [r.slot, r.checkpoint, *r.pages] + ([] if r.src is None else [r.src])
+        ids = [r.slot, r.checkpoint, *r.pages, *(r.copy or ())] + ([] if r.src is None else [r.src])
         if any(not (0 <= p < num_pages) for p in ids if p != -1) or r.slot < 0:
             raise ValueError(f"row {i}: page or slot id outside [0, {num_pages}): {ids}")
         t0 = i if i < num_decode else num_decode + sum(len(x.tokens) for x in prefill[: i - num_decode])
@@ -403,6 +411,8 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
         out["state_slot"][i] = r.slot
         out["state_src"][i] = r.src if r.src is not None else (r.slot if r.start else -1)
         out["checkpoint"][i] = r.checkpoint
+        if r.copy is not None:
+            out["copy_src"][i], out["copy_dst"][i] = r.copy
         out["temperature"][i], out["top_k"][i], out["top_p"][i], out["seed"][i] = (r.temperature, r.top_k, r.top_p,
                                                                                      r.seed)
     out["cu_seqlens"][1:] = np.cumsum(lens)

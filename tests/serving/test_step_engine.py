@@ -38,7 +38,7 @@ def greedy_reference():
 
 def _engine(**kw):
     args = dict(dtype=jnp.float32, max_running=4, max_len=128, token_budget=64, max_prefill_rows=2,
-                decode_buckets=(4,), prefill_buckets=(64,))
+                decode_buckets=(4,), prefill_buckets=(64,), prefix_cache=False)
     return StepEngine(_model(), **{**args, **kw})
 
 
@@ -111,3 +111,69 @@ def test_abort_and_bad_requests(engine):
         _engine(num_pages=2)
     with pytest.raises(ValueError, match="must cover"):
         _engine(prefill_buckets=(32,))
+
+
+# ---- the prefix cache on the device pool (hash block 16 tokens; a page is 12 hash blocks, as a
+# 6144-token page of 512-token hash blocks in SERVING.md)
+def _cached_engine(**kw):
+    return _engine(prefix_cache=True, hash_tokens=16, page_tokens=192, max_len=256, num_pages=16, **kw)
+
+
+def _run(e, prompts, max_tokens=MAX_TOKENS):
+    return [(r.token_ids, r.num_cached_tokens) for r in e.generate(prompts, max_tokens=max_tokens)]
+
+
+def test_prefix_hit_inside_a_page_resumes_at_the_hash_boundary():
+    """SERVING.md's example scaled down: a request whose first 87 tokens match a cached 90-token
+    prompt hits at 80 = 5 x 16 inside a 192-token page (the partial page copied, the checkpoint
+    at the prompt end's boundary read into its slot) and gives the tokens of an uncached run."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 256, 90).tolist()
+    b = a[:87] + rng.integers(0, 256, 30).tolist()
+    plain = _engine(max_len=256)
+    want = _run(plain, [a, b])
+    e = _cached_engine()
+    assert _run(e, [a]) == [want[0]]
+    got = _run(e, [b])
+    assert got[0][0] == want[1][0] and got[0][1] == 80
+    assert _run(e, [a])[0] == (want[0][0], 80)  # the same prompt again: all but its last hash block
+    e.sched.cache.check_invariants()
+    assert e.sched.pool.num_used == e.sched.pool.num_evictable  # only cache entries remain
+
+
+def test_prefix_cache_on_off_and_in_one_step_give_the_same_tokens():
+    """Requests sharing prefixes, all in one step (nothing is matchable before the step that
+    writes it has finished: rule 2), then again one by one (hits), under a small token budget:
+    every output equals the run without the cache."""
+    rng = np.random.default_rng(6)
+    base = rng.integers(0, 256, 70).tolist()
+    prompts = [base + rng.integers(0, 256, int(n)).tolist() for n in (1, 20, 45)] + [base[:40]]
+    want = _run(_engine(max_len=256), prompts)
+    e = _cached_engine(token_budget=256, max_chunk=128, prefill_buckets=(256,), max_prefill_rows=4)
+    together = _run(e, prompts)
+    assert [t for t, _ in together] == [t for t, _ in want]
+    assert all(c == 0 for _, c in together)  # submitted together: no hit on unlanded writes
+    small = _cached_engine(token_budget=24, max_chunk=24, prefill_buckets=(32,))
+    for p, (toks, _) in zip(prompts, want):
+        got = _run(small, [p])
+        assert got[0][0] == toks
+    assert small.metrics["cached_tokens"] > 0
+    small.sched.cache.check_invariants()
+
+
+def test_logprobs_match_the_logits_and_failed_steps_free_everything(engine):
+    res = engine.generate(PROMPTS[:2], max_tokens=3, logprobs=4)
+    cfg, params = _model()
+    logits, _ = forward(cfg, params, jnp.asarray(PROMPTS[0]), init_cache(cfg, 128))
+    lp = jax.nn.log_softmax(logits[-1].astype(jnp.float32))
+    first, top = res[0].logprobs[0]
+    assert abs(first - float(lp[res[0].token_ids[0]])) < 1e-4
+    assert [t for t, _ in top] == [int(t) for t in jnp.argsort(-lp)[:4]]
+    assert len(res[1].logprobs) == 3 and engine.generate(PROMPTS[:1], max_tokens=1)[0].logprobs is None
+    # A step that raises fails the requests in it; the engine frees their pages and serves on.
+    r = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))
+    engine.step()
+    failed = engine.fail_running(RuntimeError("boom"))
+    assert failed == [r] and r.result.finish_reason.startswith("error:") and "boom" in r.result.finish_reason
+    assert engine.sched.pool.num_used == 0 and engine.stats()["running"] == 0
+    assert engine.generate(PROMPTS[2:3], max_tokens=2)[0].finish_reason == "length"

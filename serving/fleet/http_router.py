@@ -1,17 +1,23 @@
 """``k3jax-router``: an async HTTP front end (FastAPI on uvicorn, httpx to the backends) that
 forwards OpenAI-style requests to ``k3jax-serve`` backends.
 
-Each request's session (the ``X-Session-Id`` header, else the body's ``user`` field, else a hash
-of the prompt's first 512 tokens or characters, or for chat of the messages up to the first user
-turn, so turns of one conversation share it) is routed by :class:`serving.fleet.Router`:
-rendezvous primary/secondary with bounded loads, sticky, no flapping. A health checker polls
+Each request's session is the ``X-Session-Id`` header, else the body's ``user`` field (both
+sticky while their backend is healthy), else for chat a hash of the messages through the first
+user turn (turns of one conversation repeat them; conversations that share only a system prompt
+differ in them), else for completions the conversation the prompt continues
+(:meth:`serving.fleet.affinity.Affinity.prompt_session`: an earlier prompt this one extends,
+never just a shared system prompt). Sessions are placed by :class:`serving.fleet.affinity.Affinity`:
+backends that were sent the longest prefix of the prompt first, then the rendezvous ranking,
+under bounds on both the sessions per backend and the outstanding work (the estimated tokens of
+in-flight requests), no flapping; its state is pruned by size and age. A health checker polls
 every backend's ``/health``; a backend that fails a check, or refuses or drops a request, is
 marked down and the request is retried on the session's next cluster (a non-streamed request is
 retried even if the backend died mid-request; a stream that already sent bytes cannot be: it ends
 with an error event and ``[DONE]``). A backend's HTTP answer, 4xx included, is passed through
 and never marks it down. Streams are passed through as they arrive; a client that leaves a
 stream closes the backend connection (the backend aborts the request). The serving backend is
-named in the ``X-K3jax-Backend`` response header. ``/metrics``: Prometheus counters per backend.
+named in the ``X-K3jax-Backend`` response header. ``/metrics``: Prometheus counters per backend,
+gauges of in-flight requests, outstanding tokens and sessions per backend.
 """
 
 from __future__ import annotations
@@ -28,40 +34,86 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from serving.fleet.routing import Router
+from serving.fleet.affinity import Affinity
 from serving.http_base import APIError, BackgroundServer, error_body, install_error_handlers, read_json
 
 log = logging.getLogger("k3jax.router")
 _HOP_HEADERS = {"connection", "transfer-encoding", "keep-alive", "content-length", "date", "server"}
 
 
-def session_of(headers, body: dict) -> str:
-    """The routing key of a request (see the module docstring)."""
+def explicit_session(headers, body: dict) -> str | None:
+    """The session id the client sent: the ``X-Session-Id`` header, else the body's ``user``."""
     sid = headers.get("X-Session-Id") or body.get("user")
-    if sid:
-        return str(sid)
-    if "messages" in body and isinstance(body["messages"], list):
-        head = []
-        for m in body["messages"]:
-            head.append(m)
-            if isinstance(m, dict) and m.get("role") == "user":
-                break
+    return str(sid) if sid else None
+
+
+def chat_opening(body: dict) -> str:
+    """A chat request's session without an id: a hash of its messages through the first user turn."""
+    head = []
+    for m in body.get("messages") or []:
+        head.append(m)
+        if isinstance(m, dict) and m.get("role") == "user":
+            break
+    return "c" + hashlib.blake2b(json.dumps(head, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def chat_text(body: dict) -> str:
+    """A chat request's messages as one text whose prefixes are the earlier turns' (for prefix matching)."""
+    msgs = body.get("messages")
+    return "".join(json.dumps(m, sort_keys=True) for m in msgs) if isinstance(msgs, list) else ""
+
+
+def _int(x, default: int) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 else default
+
+
+def estimate_cost(body: dict) -> int:
+    """A request's work in tokens, for balancing: prompt (text counted at 4 characters a token)
+    plus ``max_tokens``, times ``n``."""
+    if isinstance(body.get("messages"), list):
+        prompt = sum(len(str(m.get("content") or "")) if isinstance(m, dict) else 0 for m in body["messages"]) // 4
+        out = _int(body.get("max_completion_tokens", body.get("max_tokens")), 256)
     else:
-        prompt = body.get("prompt")
-        head = prompt[:512] if isinstance(prompt, (list, str)) else prompt
-    return "p" + hashlib.blake2b(json.dumps(head, sort_keys=True).encode(), digest_size=8).hexdigest()
+        p = body.get("prompt")
+        prompt = len(p) // 4 if isinstance(p, str) else len(p) if isinstance(p, list) else 0
+        out = _int(body.get("max_tokens"), 16)
+    return (prompt + out) * max(1, min(_int(body.get("n"), 1), 64))
+
+
+class _AffinityCollector:
+    def __init__(self, fleet: "FleetRouter"):
+        self.fleet = fleet
+
+    def collect(self):
+        a = self.fleet.affinity
+        with self.fleet.lock:
+            rows = [(b, a.inflight[b], a.work[b], a.count[b]) for b in a.backends]
+            sessions, prompts, moved = len(a.sessions), a.num_prompts, a.moved_for_load
+        for name, doc, i in (("k3jax_router_inflight_requests", "requests in flight per backend", 1),
+                             ("k3jax_router_outstanding_tokens", "estimated tokens in flight per backend", 2),
+                             ("k3jax_router_sessions", "sessions placed on each backend", 3)):
+            g = GaugeMetricFamily(name, doc, labels=["backend"])
+            for r in rows:
+                g.add_metric([r[0]], r[i])
+            yield g
+        yield GaugeMetricFamily("k3jax_router_tracked_sessions", "sessions in the routing table", value=sessions)
+        yield GaugeMetricFamily("k3jax_router_indexed_prompts", "prompts in the continuation index", value=prompts)
+        yield CounterMetricFamily("k3jax_router_sessions_moved_for_load",
+                                  "sessions without an id moved off an overloaded backend", value=moved)
 
 
 class FleetRouter:
     """Routing state (thread-safe), metrics, and the async health checker and proxy client."""
 
     def __init__(self, backends, *, c: float = 1.25, health_interval_s: float = 1.0, timeout_s: float = 300.0,
-                 max_body_bytes: int = 4 << 20):
-        self.backends = [b.rstrip("/") for b in backends]
+                 max_body_bytes: int = 4 << 20, max_sessions: int = 65536, session_ttl_s: float = 3600.0):
+        self.backends = list(dict.fromkeys(b.rstrip("/") for b in backends))
         if not self.backends:
             raise ValueError("at least one backend URL is needed")
-        self.router = Router(self.backends, c=c)
+        self.affinity = Affinity(self.backends, c=c, max_sessions=max_sessions, max_prompts=max_sessions,
+                                 ttl_s=session_ttl_s)
         self.lock = threading.Lock()
         self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
@@ -75,6 +127,7 @@ class FleetRouter:
                                        registry=self.registry)
         self.m_up = Gauge("k3jax_router_backend_up", "1 while a backend is routed to", ["backend"],
                           registry=self.registry)
+        self.registry.register(_AffinityCollector(self))
         for b in self.backends:
             self.m_up.labels(b).set(1)
             self.m_requests.labels(b)
@@ -85,25 +138,51 @@ class FleetRouter:
 
     def healthy(self) -> set[str]:
         with self.lock:
-            return set(self.router.healthy)
+            return set(self.affinity.healthy)
 
     def mark(self, backend: str, up: bool):
         with self.lock:
-            was = backend in self.router.healthy
+            was = backend in self.affinity.healthy
             if up and not was:
-                self.router.recover(backend)
+                self.affinity.recover(backend)
                 log.info("backend %s is up", backend)
             elif not up and was:
-                self.router.fail(backend)
+                self.affinity.fail(backend)
                 self.m_failures.labels(backend).inc()
                 log.warning("backend %s is down", backend)
-            self.m_up.labels(backend).set(int(backend in self.router.healthy))
+            self.m_up.labels(backend).set(int(backend in self.affinity.healthy))
 
-    def route(self, session: str) -> str:
+    def session(self, headers, body: dict) -> tuple[str, bool, list[bytes]]:
+        """``(session, explicit, prompt blocks)`` of a request (see the module docstring)."""
+        sid = explicit_session(headers, body)
+        chat = "messages" in body
+        prompt = chat_text(body) if chat else body.get("prompt")
         with self.lock:
-            b = self.router.route(session)
+            if sid is None and not chat:
+                session, blocks = self.affinity.prompt_key(prompt)
+                return session, False, blocks
+            blocks = self.affinity.blocks(prompt)
+        return (sid, True, blocks) if sid is not None else (chat_opening(body), False, blocks)
+
+    def route(self, session: str, explicit: bool = False, cost: int = 1, blocks=()) -> str:
+        with self.lock:
+            b = self.affinity.route(session, explicit=explicit, cost=cost, blocks=blocks)
         self.m_requests.labels(b).inc()
         return b
+
+    def lease(self, backend: str, cost: int):
+        """Count a request as in flight on ``backend``; returns its idempotent release."""
+        with self.lock:
+            self.affinity.begin(backend, cost)
+        done = False
+
+        def release():
+            nonlocal done
+            if not done:
+                done = True
+                with self.lock:
+                    self.affinity.end(backend, cost)
+        return release
 
     async def start(self):
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
@@ -169,18 +248,19 @@ def make_app(fleet: FleetRouter) -> FastAPI:
     async def proxy(request: Request):
         body = await read_json(request, max_bytes=fleet.max_body_bytes, timeout_s=30.0)
         raw = json.dumps(body).encode()
-        session = session_of(request.headers, body)
+        session, explicit, blocks = fleet.session(request.headers, body)
+        cost = estimate_cost(body)
         path = request.url.path
         tried = set()
         while True:
             try:
-                backend = fleet.route(session)
+                backend = fleet.route(session, explicit, cost, blocks)
             except RuntimeError:
                 raise APIError(503, "no healthy backend") from None
             if backend in tried:
                 raise APIError(503, "every backend failed this request")
             tried.add(backend)
-            resp = await _forward(fleet, request, backend, path, raw)
+            resp = await _forward(fleet, request, backend, path, raw, fleet.lease(backend, cost))
             if resp is not None:
                 return resp
             fleet.mark(backend, False)
@@ -190,8 +270,24 @@ def make_app(fleet: FleetRouter) -> FastAPI:
     return app
 
 
-async def _forward(fleet: FleetRouter, request: Request, backend: str, path: str, raw: bytes):
-    """Relay one request; None if the backend failed before any byte reached the client."""
+class _Relay(StreamingResponse):
+    """A streamed response that runs ``on_close`` however it ends (finished, client gone, cancelled),
+    even if its body iterator never started."""
+
+    def __init__(self, content, *, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+async def _forward(fleet: FleetRouter, request: Request, backend: str, path: str, raw: bytes, release):
+    """Relay one request; None if the backend failed before any byte reached the client.
+    ``release`` is called once the backend is done with it."""
     headers = {"Content-Type": "application/json"}
     for h in ("authorization", "x-session-id", "x-request-id"):
         if h in request.headers:
@@ -201,7 +297,11 @@ async def _forward(fleet: FleetRouter, request: Request, backend: str, path: str
                                        stream=True)
     except httpx.HTTPError as e:
         log.warning("backend %s failed: %r", backend, e)
+        release()
         return None
+    except BaseException:
+        release()
+        raise
     out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
     out_headers["X-K3jax-Backend"] = backend
     if not resp.headers.get("content-type", "").startswith("text/event-stream"):
@@ -212,6 +312,7 @@ async def _forward(fleet: FleetRouter, request: Request, backend: str, path: str
             return None
         finally:
             await resp.aclose()
+            release()
         return Response(data, status_code=resp.status_code, headers=out_headers)
     it = resp.aiter_raw()
     try:
@@ -219,7 +320,12 @@ async def _forward(fleet: FleetRouter, request: Request, backend: str, path: str
     except (httpx.HTTPError, StopAsyncIteration) as e:
         log.warning("stream from %s failed before any byte: %r", backend, e)
         await resp.aclose()
+        release()
         return None
+    except BaseException:
+        await resp.aclose()
+        release()
+        raise
 
     async def relay():
         try:
@@ -236,7 +342,11 @@ async def _forward(fleet: FleetRouter, request: Request, backend: str, path: str
         finally:
             await resp.aclose()
 
-    return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+    async def close():
+        await resp.aclose()
+        release()
+
+    return _Relay(relay(), status_code=resp.status_code, headers=out_headers, on_close=close)
 
 
 def serve_router(backends, *, host="127.0.0.1", port=8080, **kw):
@@ -251,13 +361,16 @@ def main(argv=None):
     ap.add_argument("backends", nargs="+", help="backend base URLs, e.g. http://127.0.0.1:8001")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
-    ap.add_argument("--load-bound", type=float, default=1.25)
+    ap.add_argument("--load-bound", type=float, default=1.25,
+                    help="a backend takes a new session only under this times the average sessions and work")
+    ap.add_argument("--max-sessions", type=int, default=65536, help="sessions (and indexed prompts) kept")
+    ap.add_argument("--session-ttl", type=float, default=3600.0, help="seconds a session is kept without a request")
     ap.add_argument("--health-interval", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout towards a backend (s)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server, _ = serve_router(a.backends, host=a.host, port=a.port, c=a.load_bound, health_interval_s=a.health_interval,
-                             timeout_s=a.timeout)
+                             timeout_s=a.timeout, max_sessions=a.max_sessions, session_ttl_s=a.session_ttl)
     print(f"k3jax-router: listening on http://{a.host}:{server.port} for {len(a.backends)} backends", flush=True)
     try:
         server.run()

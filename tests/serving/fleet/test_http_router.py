@@ -1,5 +1,9 @@
-"""End to end: three k3jax-serve processes behind the HTTP router; one is killed mid-run."""
+"""End to end: three k3jax-serve processes behind the HTTP router; one is killed mid-run. The
+routing policy over HTTP on in-process stand-in backends: a shared system prompt spreads,
+conversations and session ids stick, in-flight work is released."""
 
+import asyncio
+import collections
 import http.client
 import json
 import re
@@ -8,9 +12,11 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 from serving.fleet.http_router import serve_router
+from serving.http_base import BackgroundServer
 
 
 def _start_backend():
@@ -100,7 +106,7 @@ def test_sticky_routing_failover_and_streaming(fleet):
     # others failed over. Moved sessions go to their next-ranked healthy cluster and stay there.
     assert any(results[s][0] != victim for s in moved), "no request failed over"
     for s in moved:
-        ranked = [b for b in router.router.ranking(s) if b != victim]
+        ranked = [b for b in router.affinity.ranking(s) if b != victim]
         again = _complete(port, s, "again")[0]
         assert again in ranked[:2]
         if results[s][0] != victim:
@@ -154,3 +160,104 @@ def test_sticky_routing_failover_and_streaming(fleet):
     assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), rest[-500:]
     backend2, tokens = _complete(port, "cut", "a long stream")
     assert backend2 not in (backend, victim) and len(tokens) >= 1
+
+
+# ---------------------------------------------------------------- routing policy over HTTP (fake backends, no JAX)
+def _fake_backend(name: str, delay_s: float):
+    """A stand-in for k3jax-serve: answers after ``delay_s`` with its name; streams five events."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        body = await request.json()
+        await asyncio.sleep(delay_s)
+        if body.get("stream"):
+            async def events():
+                for i in range(5):
+                    yield f"data: {json.dumps({'backend': name, 'i': i})}\n\n"
+                    await asyncio.sleep(delay_s)
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"backend": name}
+
+    app.post("/v1/chat/completions")(complete)
+    return BackgroundServer(app).start()
+
+
+@pytest.fixture(scope="module")
+def fake_fleet():
+    backends = [_fake_backend(f"b{i}", 0.02) for i in range(3)]
+    server, router = serve_router([b.url for b in backends], port=0, health_interval_s=0.2)
+    server.start()
+    yield server.port, router, {b.url: f"b{i}" for i, b in enumerate(backends)}
+    server.stop()
+    for b in backends:
+        b.stop()
+
+
+async def _send(port, bodies, headers=None, clients=12, path="/v1/completions"):
+    """POST each body (at most ``clients`` at once); the backend that served each."""
+    sem = asyncio.Semaphore(clients)
+    async with httpx.AsyncClient(timeout=60) as c:
+        async def one(body):
+            async with sem:
+                r = await c.post(f"http://127.0.0.1:{port}{path}", json=body, headers=headers or {})
+                assert r.status_code == 200, r.text
+                return r.headers["X-K3jax-Backend"]
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+SYSTEM_PROMPT = "You are a helpful assistant for the k3jax serving stack. " * 12  # 684 characters, every request
+
+
+def test_shared_system_prompt_spreads_and_sessions_stick(fake_fleet):
+    port, router, _ = fake_fleet
+    firsts = [SYSTEM_PROMPT + f"User: question number {i}?" for i in range(60)]
+    placed = asyncio.run(_send(port, [{"prompt": p, "max_tokens": 8} for p in firsts]))
+    counts = collections.Counter(placed)
+    assert len(counts) == 3 and max(counts.values()) <= 25 and min(counts.values()) >= 10, counts
+    # The next turn of each conversation (the earlier prompt, an answer, a new question) stays.
+    seconds = [p + " Assistant: an answer. User: and then?" for p in firsts]
+    again = asyncio.run(_send(port, [{"prompt": p, "max_tokens": 8} for p in seconds], clients=1))  # one by one
+    assert again == placed
+    # A session id (header or user) sticks whatever the prompt, under concurrent load.
+    for key, headers, extra in (("hdr", {"X-Session-Id": "alice"}, {}), ("user", None, {"user": "bob"})):
+        got = asyncio.run(_send(port, [{"prompt": f"{key} {i}", "max_tokens": 8} | extra for i in range(24)],
+                                headers=headers))
+        assert len(set(got)) == 1, (key, got)
+    # Chat without an id: conversations that share only a system message spread.
+    chats = [{"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"question {i}"}]}
+             for i in range(30)]
+    assert len(set(asyncio.run(_send(port, chats, path="/v1/chat/completions")))) == 3
+    assert all(v == 0 for v in router.affinity.inflight.values()) and all(v == 0 for v in router.affinity.work.values())
+
+
+def test_inflight_work_is_released_however_a_request_ends(fake_fleet):
+    port, router, _ = fake_fleet
+    # A stream the client abandons after its first event, and one read to the end.
+    for abandon in (True, False):
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                          json={"prompt": "stream", "stream": True}) as r:
+                backend = r.headers["X-K3jax-Backend"]
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: {")
+                if abandon:
+                    assert router.affinity.inflight[backend] == 1
+                else:
+                    assert [ln for ln in lines if ln][-1] == "data: [DONE]"
+    deadline = time.time() + 10
+    while any(router.affinity.inflight.values()) and time.time() < deadline:
+        time.sleep(0.02)
+    assert all(v == 0 for v in router.affinity.inflight.values()) and all(v == 0 for v in router.affinity.work.values())
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    for line in ("# TYPE k3jax_router_inflight_requests gauge", "# TYPE k3jax_router_sessions gauge",
+                 "# TYPE k3jax_router_tracked_sessions gauge", "# TYPE k3jax_router_outstanding_tokens gauge"):
+        assert line in text, line

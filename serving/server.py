@@ -15,9 +15,12 @@ Parameters: ``max_tokens`` (completions default 16; chat default: the rest of th
 ``top_p``, ``top_k`` (0 or -1: off), ``seed`` (an integer in ``[-2**63, 2**64 - 1]``; choice ``i``
 of ``n`` uses ``seed + i``), ``n``, ``stop`` (strings, not included in the text), ``stop_token_ids``,
 ``ignore_eos``, ``stream`` with ``stream_options.include_usage``, ``user`` and ``model`` (must be
-the served model's name). The checkpoint's ``eos_token_id`` stops generation. Parameters the
-server does not implement (``logprobs``, ``top_logprobs``, ``best_of`` other than ``n``,
-``suffix``, penalties, ``logit_bias``, tools, any unknown field) get a 400 that names them.
+the served model's name), log probabilities (completions: ``logprobs`` = k, chat: ``logprobs: true``
+with ``top_logprobs`` = k; k in ``[0, 20]``: the sampled token's log probability and the k most
+likely tokens', in OpenAI's shapes, streamed with each token). The checkpoint's ``eos_token_id``
+stops generation. Parameters the server does not implement (``best_of`` other than ``n``,
+``suffix``, penalties, ``logit_bias``, tools, prompt log probabilities (``echo`` with ``logprobs``),
+any unknown field) get a 400 that names them.
 
 Tokenizers: the embedded model's bytes; a checkpoint's ``tokenizer.json`` (tokenizers) or Kimi's
 ``tiktoken.model`` with ``tokenizer_config.json`` (tiktoken); streamed text never splits a character.
@@ -26,6 +29,11 @@ Errors use OpenAI's JSON shape. Limits: request body size (413), body read timeo
 bounded waiting queue (429 with ``Retry-After``), a per-request deadline; a client that goes away
 (streaming or not) has its requests aborted and their slots and pages freed. A request whose
 processing fails inside the engine fails alone (500 with the reason); the loop goes on.
+
+Engines: ``--engine reference`` (:class:`serving.engine.Engine`, the default) or ``--engine step``
+(:class:`serving.step_engine.StepEngine`); the server uses only their public interface (``submit``,
+``step``, ``abort``, ``validate``, ``has_work``, ``fail_running``, ``stats``, ``num_waiting``,
+``warmup``, ``metrics``).
 """
 
 from __future__ import annotations
@@ -46,9 +54,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serving.engine import EMBEDDED, SEED_MAX, SEED_MIN, Engine, RequestError, SamplingParams
+from serving.engine import EMBEDDED, SEED_MAX, SEED_MIN, Engine, EngineBase, RequestError, SamplingParams
 from serving.http_base import APIError, BackgroundServer, error_body, error_response, install_error_handlers, read_json
-from serving.tokenizers import Detokenizer, load_tokenizer, render_chat
+from serving.step_engine import StepEngine
+from serving.tokenizers import Detokenizer, load_tokenizer, render_chat, token_text_bytes
+
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (the engines' limit too)
 
 log = logging.getLogger("k3jax.server")
 
@@ -118,7 +129,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     token_ids: list[int]
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None
 
 
@@ -139,7 +150,7 @@ class ChatChoiceMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatChoiceMessage
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None
 
 
@@ -166,27 +177,41 @@ def _unsupported(req: _Sampling):
     checks = [("presence_penalty", req.presence_penalty != 0), ("frequency_penalty", req.frequency_penalty != 0),
               ("logit_bias", bool(req.logit_bias))]
     if isinstance(req, CompletionRequest):
-        checks += [("logprobs", req.logprobs is not None), ("suffix", req.suffix is not None),
-                   ("best_of", req.best_of is not None and req.best_of != req.n)]
-    else:
-        checks += [("logprobs", req.logprobs), ("top_logprobs", req.top_logprobs is not None)]
+        checks += [("suffix", req.suffix is not None), ("best_of", req.best_of is not None and req.best_of != req.n)]
     for name, bad in checks:
         if bad:
             raise APIError(400, f"parameter {name} is not supported by this server", param=name)
+    k = _logprobs(req)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        name = "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"
+        raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
+    if isinstance(req, CompletionRequest) and req.echo and k is not None:
+        raise APIError(400, "prompt log probabilities (echo with logprobs) are not supported by this server",
+                       param="logprobs")
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _logprobs(req: _Sampling) -> int | None:
+    """The top alternatives asked for per token (None: no log probabilities)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 # ---------------------------------------------------------------- engine loop
 class EngineLoop:
     """Runs ``engine.step()`` on a background thread whenever there is work, isolating failures:
     a request whose sampling fails is finished with an ``error:`` reason by the engine alone; a
-    step that raises fails the requests that were running in it (their reason is kept in
-    ``failed``) and the loop goes on with the rest. ``/health`` is 503 only while steps keep failing."""
+    step that raises fails the requests that were in it (``engine.fail_running``: each finishes
+    with the reason, its pages and slot freed) and the loop goes on with the rest. ``/health`` is
+    503 only while steps keep failing."""
 
     UNHEALTHY_AFTER = 5  # consecutive failed steps
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineBase):
         self.engine = engine
         self.wake = threading.Event()
         self.stop = False
@@ -224,30 +249,8 @@ class EngineLoop:
 
     def _isolate(self, e: BaseException):
         reason = f"error: the engine failed while serving this request: {e!r}"
-        eng = self.engine
-        running = list(eng.running.values())
-        for r in running:
+        for r in self.engine.fail_running(e):
             self.failed.setdefault(r.rid, reason)
-            eng.abort(r)  # finished (slot and pages released) at the start of the next step
-        if self.consecutive_failures >= 3:  # even the aborts fail: drop them by hand
-            for r in running:
-                eng.running.pop(r.rid, None)
-                if r.slot >= 0 and r.slot not in eng.free_slots:
-                    eng.free_slots.append(r.slot)
-                self._fail_directly(r)
-        queued = {r.rid for r in list(eng.waiting)}
-        with self.lock:
-            tracked = list(self.tracked.values())
-        for r in tracked:  # taken off the queue by the failed step, never admitted
-            if not r.finished.is_set() and r.rid not in eng.running and r.rid not in queued:
-                self.failed.setdefault(r.rid, reason)
-                self._fail_directly(r)
-
-    def _fail_directly(self, r):
-        if not r.finished.is_set():
-            r.finished.set()
-            if r.on_token is not None:
-                r.on_token(None)
 
     def submit(self, prompt, sp, on_token):
         req = self.engine.submit(prompt, sp, on_token)
@@ -268,7 +271,12 @@ class EngineLoop:
 
 # ---------------------------------------------------------------- metrics
 class _EngineCollector:
-    """Engine counters and gauges read at scrape time."""
+    """Engine counters (``engine.metrics``) and gauges (``engine.stats()``) read at scrape time."""
+
+    GAUGES = {"running": ("k3jax_num_requests_running", "requests being served (holding a slot)"),
+              "waiting": ("k3jax_num_requests_waiting", "requests queued"),
+              "free_slots": ("k3jax_free_slots", "free request slots"),
+              "free_pages": ("k3jax_pool_free_pages", "free (or evictable) pages in the page pool")}
 
     def __init__(self, loop: EngineLoop):
         self.loop = loop
@@ -280,16 +288,16 @@ class _EngineCollector:
             if k == "ttft_sum_s":
                 continue
             yield _counter(f"k3jax_{k}", f"engine counter {k}", v)
-        if eng.cache is not None:
-            for k, v in sorted(eng.cache.metrics.items()):
-                yield _counter(f"k3jax_cache_{k}", f"prefix cache counter {k}", v)
+        stats = eng.stats()
+        for k, v in sorted(stats.items()):
+            if k in self.GAUGES:
+                yield _gauge(*self.GAUGES[k], v)
+            elif k == "prefix_cache_hit_tokens":
+                yield _counter("k3jax_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", v)
+            elif k not in m and isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield _gauge(f"k3jax_engine_{k}", f"engine statistic {k}", v)
         yield _counter("k3jax_engine_step_failures", "engine steps that raised (their requests failed)",
                        self.loop.step_failures)
-        yield _gauge("k3jax_num_requests_running", "requests holding a slot", len(eng.running))
-        yield _gauge("k3jax_num_requests_waiting", "requests queued for a slot", len(eng.waiting))
-        yield _gauge("k3jax_free_slots", "free decode slots", len(eng.free_slots))
-        if eng.pool is not None:
-            yield _gauge("k3jax_pool_free_pages", "free pages in the prefix-cache pool", eng.pool.num_free)
         yield _gauge("k3jax_healthy", "1 while the engine loop serves", int(self.loop.healthy))
 
 
@@ -330,21 +338,27 @@ class Metrics:
 class _Choice:
     """One engine request as the async side sees it: tokens, text (stop strings applied) and state."""
 
-    def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: set[int], prefix_text: str = ""):
+    def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: set[int], prefix_text: str = "",
+                 logprobs: bool = False):
         self.index, self.detok, self.stop, self.stop_ids = index, Detokenizer(tokenizer), stop, stop_ids
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text, self.sent, self.token_ids = prefix_text, 0, []
+        self.logprobs: list | None = [] if logprobs else None  # per token in token_ids: (offset, entry)
+        self.events = 0  # engine tokens seen (tokens after a stop string included)
         self.start = len(prefix_text)  # stop strings are searched after the echoed prompt
         self.req = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.last_t: float | None = None
 
-    def add(self, tok: int) -> bool:
-        """A generated token; True when a stop string ended the choice."""
+    def add(self, tok: int, logprobs=None) -> bool:
+        """A generated token (with its engine log-probability entry when asked); True when a stop
+        string ended the choice."""
         if self.finish_reason is not None:
             return False
         self.token_ids.append(tok)
+        if self.logprobs is not None:
+            self.logprobs.append((len(self.text), logprobs))
         if tok in self.stop_ids:
             return False
         return self._extend(self.detok.add(tok))
@@ -384,7 +398,7 @@ class _Choice:
 class App:
     """The FastAPI application around one engine loop."""
 
-    def __init__(self, engine: Engine, tokenizer, *, model_name: str = "k3jax-tiny", max_waiting: int = 256,
+    def __init__(self, engine: EngineBase, tokenizer, *, model_name: str = "k3jax-tiny", max_waiting: int = 256,
                  max_body_bytes: int = 4 << 20, body_timeout_s: float = 30.0, request_timeout_s: float = 600.0,
                  loop: EngineLoop | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
@@ -477,10 +491,11 @@ class App:
         if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
             raise APIError(400, f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}", param="seed")
         out = []
+        lp = {} if _logprobs(req) is None else {"logprobs": _logprobs(req)}
         for i in range(req.n):
             seed = None if req.seed is None else (req.seed if i == 0 else (req.seed + i) % 2**64)
             out.append(SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=top_k,
-                                      top_p=req.top_p, seed=seed, stop_token_ids=stop_ids))
+                                      top_p=req.top_p, seed=seed, stop_token_ids=stop_ids, **lp))
         return out
 
     async def _serve(self, request: Request, req, chat: bool):
@@ -502,8 +517,9 @@ class App:
                 except RequestError as e:
                     raise APIError(400, str(e)) from None
                 plan.append((ids, text, sp))
-        if len(self.engine.waiting) + len(plan) > self.max_waiting:
-            raise APIError(429, f"the server is busy ({len(self.engine.waiting)} requests waiting): retry later",
+        waiting = self.engine.num_waiting
+        if waiting + len(plan) > self.max_waiting:
+            raise APIError(429, f"the server is busy ({waiting} requests waiting): retry later",
                            code="queue_full", headers={"Retry-After": "1"})
         aio = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -518,7 +534,8 @@ class App:
             return on_token
 
         for i, (ids, text, sp) in enumerate(plan):
-            c = _Choice(i, self.tokenizer, stop, set(sp.stop_token_ids), text if (not chat and req.echo) else "")
+            c = _Choice(i, self.tokenizer, stop, set(sp.stop_token_ids), text if (not chat and req.echo) else "",
+                        logprobs=sp.logprobs is not None)
             try:
                 c.req = self.loop.submit(ids, sp, callback(i))
             except RequestError as e:  # validated above; kept for safety
@@ -554,7 +571,12 @@ class App:
         else:
             self.metrics.itl.observe(t - c.last_t)
         c.last_t = t
-        if c.add(tok):  # a stop string: the engine request is no longer needed
+        entry = None
+        if c.logprobs is not None:  # the engine appends a token's entry before announcing the token
+            lps = c.req.logprobs
+            entry = lps[c.events] if c.events < len(lps) else None
+        c.events += 1
+        if c.add(tok, entry):  # a stop string: the engine request is no longer needed
             self.loop.abort(c.req)
         return False
 
@@ -600,11 +622,40 @@ class App:
         usage = ctx.usage()
         if ctx.chat:
             return ChatResponse(id=ctx.rid, created=ctx.created, model=self.model_name, usage=usage, choices=[
-                ChatChoice(index=c.index, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason)
-                for c in ctx.choices]).model_dump()
+                ChatChoice(index=c.index, message=ChatChoiceMessage(content=c.text), finish_reason=c.finish_reason,
+                           logprobs=self._logprobs_out(c, 0, True)) for c in ctx.choices]).model_dump()
         return CompletionResponse(id=ctx.rid, created=ctx.created, model=self.model_name, usage=usage, choices=[
-            CompletionChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
-            for c in ctx.choices]).model_dump()
+            CompletionChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
+                             logprobs=self._logprobs_out(c, 0, False)) for c in ctx.choices]).model_dump()
+
+    def _token(self, tok: int) -> tuple[str, list[int]]:
+        """A token as logprobs name it: its text (``bytes:\\xNN..`` when it is not whole UTF-8)
+        and its bytes."""
+        return token_text_bytes(self.tokenizer, tok)
+
+    def _logprobs_out(self, c: _Choice, start: int, chat: bool, end: int | None = None) -> dict | None:
+        """Choice ``c``'s log probabilities for its tokens ``start:end`` in OpenAI's shape:
+        completions ``{tokens, token_logprobs, top_logprobs, text_offset}``, chat ``{content: [...]}``."""
+        if c.logprobs is None:
+            return None
+        rows = list(zip(c.token_ids[start:end], c.logprobs[start:end]))
+        if chat:
+            content = []
+            for tok, (_, e) in rows:
+                name, raw = self._token(tok)
+                top = []
+                for t, lp in (e[1] if e else []):
+                    n, b = self._token(t)
+                    top.append({"token": n, "logprob": lp, "bytes": b})
+                content.append({"token": name, "logprob": e[0] if e else None, "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, (offset, e) in rows:
+            out["tokens"].append(self._token(tok)[0])
+            out["token_logprobs"].append(e[0] if e else None)
+            out["top_logprobs"].append({self._token(t)[0]: lp for t, lp in (e[1] if e else [])})
+            out["text_offset"].append(offset)
+        return out
 
     async def _stream(self, ctx: "_Ctx", include_usage: bool):
         base = {"id": ctx.rid, "object": "chat.completion.chunk" if ctx.chat else "text_completion",
@@ -617,10 +668,11 @@ class App:
             return f"data: {json.dumps(d)}\n\n"
 
         def choice(c: _Choice, text: str, tok: list[int], finish):
+            lp = self._logprobs_out(c, len(c.token_ids) - 1, ctx.chat) if tok else None
             if ctx.chat:
                 return {"index": c.index, "delta": {"content": text} if text or finish is None else {},
-                        "logprobs": None, "finish_reason": finish}
-            return {"index": c.index, "text": text, "token_ids": tok, "logprobs": None, "finish_reason": finish}
+                        "logprobs": lp, "finish_reason": finish}
+            return {"index": c.index, "text": text, "token_ids": tok, "logprobs": lp, "finish_reason": finish}
 
         try:
             if ctx.chat:
@@ -719,48 +771,85 @@ class _Ctx:
                      prompt_tokens_details={"cached_tokens": cached})
 
 
-def build_app(engine: Engine, tokenizer, **kw) -> App:
+def build_app(engine: EngineBase, tokenizer, **kw) -> App:
     """The FastAPI app (``.app``) and its engine loop (``.loop``) for ``engine``."""
     return App(engine, tokenizer, **kw)
 
 
-def serve(engine: Engine, tokenizer, *, host="127.0.0.1", port=8000, model_name="k3jax-tiny", **kw):
+def serve(engine: EngineBase, tokenizer, *, host="127.0.0.1", port=8000, model_name="k3jax-tiny", **kw):
     """Start the engine loop and bind the HTTP server; returns ``(server, app)``: ``server.run()``
     serves in the foreground, ``server.start()`` / ``server.stop()`` on a thread; ``server.port``."""
     a = App(engine, tokenizer, model_name=model_name, **kw)
     return BackgroundServer(a.app, host, port, log_level="warning"), a
 
 
-def main(argv=None):
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="k3jax-serve", description="Serve a Kimi Linear model over an OpenAI-compatible API.")
     ap.add_argument("--model", default="tiny", help="'tiny' (embedded default), 'tiny-k3' (an embedded tiny Kimi K3) "
                                                      "or a Hugging Face checkpoint directory")
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    ap.add_argument("--engine", choices=("reference", "step"), default="reference",
+                    help="reference: serving.Engine (per-slot caches; prefix cache, speculative decoding); "
+                         "step: serving.StepEngine (the serving step on the unified page pool)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-slots", type=int, default=4)
+    ap.add_argument("--max-slots", type=int, default=4, help="requests decoded together")
     ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=256,
+                    help="prefill tokens per step (step engine: the step's token budget, decode rows included)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--speculative", type=int, default=0,
-                    help="draft tokens per step for greedy requests (n-gram prompt lookup; 0 = off)")
+                    help="draft tokens per step for greedy requests (n-gram prompt lookup; 0 = off; reference engine)")
     ap.add_argument("--spec-backoff", type=int, default=16,
                     help="most plain steps a request waits after windows with no accepted draft (0 = never wait)")
+    ap.add_argument("--max-prefill-rows", type=int, default=4, help="step engine: prefill chunks per step")
+    ap.add_argument("--decode-buckets", type=_ints, default=None,
+                    help="step engine: compiled decode batch sizes, e.g. 1,4 (default: powers of four)")
+    ap.add_argument("--prefill-buckets", type=_ints, default=None,
+                    help="step engine: compiled prefill token counts, e.g. 64,256 (default: powers of four from 64)")
     ap.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    return ap
+
+
+def make_engine(a: argparse.Namespace):
+    """The engine the parsed flags ask for (not warmed up)."""
+    if a.engine == "step":
+        if a.speculative:
+            raise ValueError("--speculative needs --engine reference (the step engine does not speculate yet)")
+        return StepEngine(a.model, max_running=a.max_slots, max_len=a.max_len, token_budget=a.prefill_chunk,
+                          max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
+                          decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets)
+    return Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
+                  prefix_cache=not a.no_prefix_cache, speculative=a.speculative, spec_backoff=a.spec_backoff)
+
+
+def main(argv=None):
+    ap = parser()
     a = ap.parse_args(argv)
     if a.speculative < 0 or a.spec_backoff < 0:
         ap.error("--speculative and --spec-backoff must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    print(f"k3jax-serve: loading {a.model} ...", flush=True)
-    engine = Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
-                    prefix_cache=not a.no_prefix_cache, speculative=a.speculative, spec_backoff=a.spec_backoff)
+    print(f"k3jax-serve: loading {a.model} ({a.engine} engine) ...", flush=True)
+    try:
+        engine = make_engine(a)
+    except ValueError as e:
+        ap.error(str(e))
     tokenizer = load_tokenizer(a.model)
-    print("k3jax-serve: compiling (first request shapes) ...", flush=True)
+    print("k3jax-serve: compiling ...", flush=True)
     t0 = time.perf_counter()
-    engine.warmup(prefill=False)
-    engine.generate([[3] * 8], max_tokens=2)
+    engine.warmup()
     print(f"k3jax-serve: warm in {time.perf_counter() - t0:.1f} s", flush=True)
     name = a.served_model_name or (f"k3jax-{a.model}" if a.model in EMBEDDED else a.model)
     server, _ = serve(engine, tokenizer, host=a.host, port=a.port, model_name=name, max_waiting=a.max_waiting,

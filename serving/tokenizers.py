@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, tok: int) -> bytes:
+        return bytes([tok]) if 0 <= tok < 256 else b""
 
 
 class HFTokenizer:
@@ -50,6 +54,20 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+    def token_bytes(self, tok: int) -> bytes:
+        """The token's bytes: through GPT-2's byte-to-character map for byte-level BPE (so a piece
+        of a character keeps its bytes), else its decoded text."""
+        from tokenizers import decoders
+
+        piece = self.tok.id_to_token(tok)
+        if piece is None:
+            return b""
+        if isinstance(self.tok.decoder, decoders.ByteLevel):
+            inv = _unicode_to_bytes()
+            if all(ch in inv for ch in piece):
+                return bytes(inv[ch] for ch in piece)
+        return self.tok.decode([tok], skip_special_tokens=False).encode()
 
 
 class TiktokenTokenizer:
@@ -101,6 +119,9 @@ class TiktokenTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode([i for i in ids if i in self.valid], errors="replace")
 
+    def token_bytes(self, tok: int) -> bytes:
+        return self.enc.decode_single_token_bytes(tok) if tok in self.valid else b""
+
 
 class NoTokenizer:
     """For checkpoints without a tokenizer file: prompts must be token-id lists."""
@@ -113,6 +134,34 @@ class NoTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return ""
+
+
+@functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of GPT-2's ``bytes_to_unicode`` (the byte-level BPE alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+def token_text_bytes(tokenizer, tok: int) -> tuple[str, list[int]]:
+    """A token as log probabilities name it: its text, or ``"bytes:\\xNN..."`` when its bytes are
+    not whole UTF-8 (a piece of a character), and its bytes; ``"token_id:N"`` without a tokenizer."""
+    fn = getattr(tokenizer, "token_bytes", None)
+    if fn is None:
+        return f"token_id:{tok}", []
+    raw = fn(tok)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text, list(raw)
 
 
 def load_tokenizer(model: str):

@@ -1,7 +1,10 @@
 """HTTP load on ``k3jax-serve`` with the embedded tiny model: a fixed number of completions at
-each concurrency, throughput, p50/p99 latency and errors (connection failures and non-2xx).
+each concurrency, throughput, p50/p99 latency and errors (connection failures and non-2xx), and
+the server process's threads and resident memory after each level, against after the warm-up
+(the server runs in this process; the load is one asyncio loop, no client threads).
 
-Run: ``PYTHONPATH=$PWD python3 -m benchmarks.http_load`` (writes ``$OUT/http_load.json``).
+Run: ``PYTHONPATH=$PWD python3 -m benchmarks.http_load [--engine step] [--rounds N]`` (writes
+``$OUT/http_load.json``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ import httpx
 import numpy as np
 
 from benchmarks.common import write_json
-from serving.engine import Engine
-from serving.server import serve
+from serving.server import make_engine, parser, serve
 from serving.tokenizers import load_tokenizer
+
+
+def threads_and_rss() -> tuple[int, float]:
+    """This process's thread count and resident MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    return int(status["Threads"]), int(status["VmRSS"].split()[0]) / 1024
 
 
 async def _load(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
@@ -51,20 +60,27 @@ def main():
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--engine", choices=("reference", "step"), default="reference")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each concurrency level")
     a = ap.parse_args()
-    engine = Engine("tiny", max_slots=4, max_len=2048, prefill_chunk=256)
-    engine.warmup(prefill=False)
+    engine = make_engine(parser().parse_args(["--engine", a.engine, "--max-slots", "4", "--max-len", "2048",
+                                              "--prefill-chunk", "256"]))
+    engine.warmup()
     server, _ = serve(engine, load_tokenizer("tiny"), port=0)
     server.start()
     url = f"http://127.0.0.1:{server.port}/v1/completions"
     rows = []
     try:
-        asyncio.run(_load(url, 4, 8, a.max_tokens))  # warm the shapes the load uses
+        asyncio.run(_load(url, 64, 64, a.max_tokens))  # warm the shapes, connections and threads the load uses
+        threads0, rss0 = threads_and_rss()
         for c in map(int, a.concurrency.split(",")):
-            row = asyncio.run(_load(url, c, a.requests, a.max_tokens))
-            row["date"] = datetime.date.today().isoformat()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for _ in range(a.rounds):
+                row = asyncio.run(_load(url, c, a.requests, a.max_tokens))
+                threads, rss = threads_and_rss()
+                row.update(date=datetime.date.today().isoformat(), engine=a.engine, threads=threads,
+                           thread_growth=threads - threads0, rss_mib=round(rss, 1), rss_growth_mib=round(rss - rss0, 1))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     finally:
         server.stop()
     write_json(rows, "http_load.json")

@@ -540,7 +540,9 @@ class Engine(EngineBase):
         for r in rows:
             n = int(accepted[r.slot])
             for i in range(n):
-                self._emit_token(r, drafts[r.rid][i])
+                tok = drafts[r.rid][i]
+                k = r.sp.logprobs
+                self._emit_token(r, tok, None if k is None else token_logprobs(logits[r.slot, i], tok, k))
                 if r.rid not in self.running:  # a stop token or max_tokens among the drafts
                     break
             else:

@@ -124,6 +124,11 @@ def test_speculative_greedy_equals_plain_greedy(plain):
     assert [r.token_ids for r in spec.generate(ps, max_tokens=24)] == want
     m = spec.metrics
     assert 0 < m["spec_accepted"] < m["spec_proposed"]
+    # Accepted drafts carry the verify window's logprobs: the same as plain decoding's.
+    got, ref = (e.generate(ps[:1], max_tokens=8, logprobs=2)[0].logprobs for e in (spec, plain))
+    assert len(got) == 8 and all(g is not None for g in got)
+    np.testing.assert_allclose([g[0] for g in got], [r[0] for r in ref], atol=1e-4)
+    assert [[t for t, _ in g[1]] for g in got] == [[t for t, _ in r[1]] for r in ref]
     ngram = Engine(max_slots=3, max_len=1200, prefill_chunk=1024, prefix_cache=False, speculative=3)
     reps = [ps[0] * 3, ps[1] * 4]
     assert [r.token_ids for r in ngram.generate(reps, max_tokens=10)] == [r.token_ids for r in plain.generate(reps, max_tokens=10)]

@@ -29,8 +29,10 @@ from benchmarks.common import (device_seconds, kda_prefill_hw, time_back_to_back
 from benchmarks.kernel_profile import fla_kernel_seconds
 from k3jax.ops.kda import naive_recurrent_kda
 from k3jax.testing import PREFILL_SHAPES, kda_bench_inputs, rel_rms
-from pallas_kernels.kda import prefill, prep_mgpu, wu_mgpu
-from pallas_kernels.kda._chunk import GPU_PRECISION
+from pallas_kernels.kda import chunk_intra_mgpu, prefill, wy_fast_mgpu
+from pallas_kernels.kda.chunk_prep_gpu import gpu_prep
+from pallas_kernels.kda.common import GPU_PRECISION
+from pallas_kernels.kda.segment_plan import plan_segments
 
 MATCH_TOL = 1e-2
 # The benchmark's gates forget within tens of tokens, so the state entering a segment reaches few
@@ -45,11 +47,11 @@ INTERMEDIATES = {"auto": None, "f32": jnp.float32, "bf16": jnp.bfloat16}  # auto
 
 
 def stage1(q, k, v, g, beta, num_warps, prep_precision, store_dtype, bounded, kernel="triton"):
-    """Stage 1 as :func:`prefill.chunk_kda` runs it, with ``kernel`` as kernel A."""
+    """Stage 1 as :func:`prefill.chunk_kda` runs it, with ``kernel`` for the intra-chunk products."""
     f = lambda x: x.reshape(-1, *x.shape[2:])
     K, V = k.shape[-1], v.shape[-1]
-    wu_kernel = "mosaic_gpu" if wu_mgpu.supported(K, V, 64, k.dtype, v.dtype) else "triton"
-    return prefill.gpu_prep(f(q), f(k), f(v), f(g), f(beta)[..., None], C=64, scale=q.shape[-1] ** -0.5,
+    wu_kernel = "mosaic_gpu" if wy_fast_mgpu.supported(K, V, 64, k.dtype, v.dtype) else "triton"
+    return gpu_prep(f(q), f(k), f(v), f(g), f(beta)[..., None], C=64, scale=q.shape[-1] ** -0.5,
                             precision=prefill.default_precision(prep_precision, v.dtype), num_warps=num_warps,
                             store_dtype=store_dtype or prefill.default_intermediates(v.dtype), bounded=bounded,
                             kernel=kernel, wu_kernel=wu_kernel)
@@ -73,7 +75,7 @@ def main():
                          "mosaic_gpu needs bf16 intermediates)")
     ap.add_argument("--prep-kernel", default="auto",
                     help="comma list: auto (chunk_kda's choice: mosaic_gpu where it applies), triton and/or mosaic_gpu "
-                         "(stage 1's kernel A; with --diag exact the Triton one also redoes the chunks where a 16-token "
+                         "(stage 1's intra-chunk products; with --diag exact the Triton one also redoes the chunks where a 16-token "
                          "sub-chunk's gate span passes 75 nats)")
     ap.add_argument("--json", default="kda_prefill.json", help="the file under $OUT the rows go to")
     a = ap.parse_args()
@@ -101,7 +103,7 @@ def main():
         xs = [kda_bench_inputs(s, B, T, H, lower_bound=bound) for s in (1, 2)]
         # The planner's P for the recurrence chunk_kda will run.
         store = lambda im: jnp.dtype(INTERMEDIATES[im] or prefill.default_intermediates(xs[0][2].dtype))
-        planned = lambda cfg, im, rc: prefill.plan_segments(
+        planned = lambda cfg, im, rc: plan_segments(
             B, H, 128, T // 64, backend="gpu",
             recurrence=rc if rc != "auto" else prefill.default_recurrence(128, 128, 64, store(im), cfg["block_v"]))
         sweep = [(p, cfg, pp, im, dg, rc, pk) for p in a.segments.split(",")
@@ -119,7 +121,7 @@ def main():
         t_prep = {}
         for p, cfg, pp, im, dg, rc, pk in sweep:
             if pk == "auto":  # chunk_kda's choice on the GPU
-                pk = "mosaic_gpu" if prep_mgpu.supported(128, 64, xs[0][0].dtype) else "triton"
+                pk = "mosaic_gpu" if chunk_intra_mgpu.supported(128, 64, xs[0][0].dtype) else "triton"
             plan = planned(cfg, im, rc)
             P = plan if p == "plan" else int(p)
             pw = cfg["prep_num_warps"]
@@ -127,7 +129,8 @@ def main():
             if key not in t_prep:
                 st = jax.jit(partial(stage1, num_warps=pw, prep_precision=PREP_PRECISIONS[pp],
                                      store_dtype=INTERMEDIATES[im], bounded=dg == "bounded", kernel=pk))
-                # Kernel A alone (with the cumsum kernel): only qg is kept, so jit drops kernels B and C.
+                # The intra-chunk products alone (with the cumsum kernel): only qg is kept, so jit drops the
+                # inverse and W/U kernels.
                 st_a = jax.jit(lambda *x, st=st: st(*x)[0])
                 t_prep[key] = time_jax(st, xs, repeats=a.repeats), time_jax(st_a, xs, repeats=a.repeats)
             ours = jax.jit(partial(prefill.chunk_kda, num_segments=P, prep_precision=PREP_PRECISIONS[pp],

@@ -27,6 +27,7 @@ from benchmarks.common import (HBM_BYTES_PER_S, device_seconds, time_back_to_bac
 from k3jax.ops import kda as ref
 from k3jax.testing import kda_window_inputs, rel_rms
 from pallas_kernels import kda
+from pallas_kernels.kda import decode
 
 K = V = 128
 STATE_BYTES = K * V * 4
@@ -58,8 +59,8 @@ def fused_step(pool, slots, n, q, k, v, g, beta, prev_k, prev_v, prev_g, prev_be
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def snapshot_step(pool, slots, n, q, k, v, g, beta):
-    o, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta)
-    return o, kda.kda_commit_snapshot(pool, slots, snaps, n)
+    o, snaps = decode.kda_verify_snapshot(pool, slots, q, k, v, g, beta)
+    return o, decode.kda_commit_snapshot(pool, slots, snaps, n)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

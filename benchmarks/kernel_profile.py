@@ -5,9 +5,9 @@ one number, this says which stage the time goes to on each side.
 Run on the GPU: ``python3 -m benchmarks.kernel_profile --shapes "1,32768,32"`` (fla-core 0.6.0
 importable; ``--no-fla`` times ours only). ``--segments 4,5`` and ``--block-v 32,64`` time each
 segment count and Mosaic GPU ``block_v`` (default: the planner's and the kernel's defaults);
-``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 kernel A, and ``--mgpu-a 32:3:1,16:3:3``
+``--k3-gates --prep-kernel triton,mosaic_gpu`` each stage 1 intra-chunk kernel, and ``--mgpu-a 32:3:1,16:3:3``
 each layout of the Mosaic GPU one (K columns per part, input buffers, warpgroups per CTA),
-``--wu-kernel triton,mosaic_gpu`` each stage 1 kernel C.
+``--wu-kernel triton,mosaic_gpu`` each stage 1 W/U kernel.
 Both sides from a ``jax.profiler`` trace (:func:`benchmarks.common.kernel_seconds`); microseconds
 per call. Writes ``$OUT/kernel_profile.json``.
 """
@@ -22,7 +22,7 @@ import jax
 
 from benchmarks.common import kernel_seconds, to_torch, write_json
 from k3jax.testing import kda_bench_inputs
-from pallas_kernels.kda import chunk_kda, prep_mgpu
+from pallas_kernels.kda import chunk_intra_mgpu, chunk_kda
 
 STEPS = 10
 
@@ -51,13 +51,13 @@ def main():
     ap.add_argument("--segments", default="", help="comma-separated segment counts (default: the planner's)")
     ap.add_argument("--block-v", default="", help="comma-separated block_v of the recurrence (default: its own)")
     ap.add_argument("--prep-kernel", default="mosaic_gpu",
-                    help="comma list: mosaic_gpu (chunk_kda's choice) and/or triton (stage 1's kernel A; without "
+                    help="comma list: mosaic_gpu (chunk_kda's choice) and/or triton (stage 1's intra-chunk products; without "
                          "--k3-gates the Triton one also redoes the chunks whose sub-chunk gate spans pass 75 nats)")
     ap.add_argument("--wu-kernel", default="auto",
-                    help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (stage 1's kernel C)")
+                    help="comma list: auto (chunk_kda's choice), triton and/or mosaic_gpu (stage 1's W and U)")
     ap.add_argument("--mgpu-a", default="",
-                    help="comma list of PART:SLOTS:WGS, the Mosaic GPU kernel A's layout "
-                         "(pallas_kernels.kda.prep_mgpu; default: its own), one run each with --prep-kernel mosaic_gpu")
+                    help="comma list of PART:SLOTS:WGS, the Mosaic GPU intra-chunk kernel's layout "
+                         "(pallas_kernels.kda.chunk_intra_mgpu; default: its own), one run each with --prep-kernel mosaic_gpu")
     ap.add_argument("--no-fla", action="store_true", help="time ours only")
     a = ap.parse_args()
     rows = []
@@ -67,7 +67,7 @@ def main():
     variants = [(P, bv, pk, lay, wk) for P in options(a.segments) for bv in options(a.block_v)
                 for pk in a.prep_kernel.split(",") for lay in (layouts if pk == "mosaic_gpu" else [None])
                 for wk in a.wu_kernel.split(",")]
-    own_layout = (prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS)
+    own_layout = (chunk_intra_mgpu.PART, chunk_intra_mgpu.SLOTS, chunk_intra_mgpu.WGS)
     us = lambda table: {k: v * 1e6 for k, v in table.items()}
     for shape in a.shapes.split(";"):
         B, T, H = map(int, shape.split(","))
@@ -79,13 +79,13 @@ def main():
 
         for P, bv, pk, lay, wk in variants:
             # Read when the kernel is traced: each variant is a new jit function.
-            prep_mgpu.PART, prep_mgpu.SLOTS, prep_mgpu.WGS = lay or own_layout
+            chunk_intra_mgpu.PART, chunk_intra_mgpu.SLOTS, chunk_intra_mgpu.WGS = lay or own_layout
             fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=bound, num_segments=P, block_v=bv,
                                            recurrence=bv and "mosaic_gpu", prep_kernel=pk,
                                            wu_kernel=None if wk == "auto" else wk))
             ours = kernel_seconds(lambda: fn(*xs), STEPS)
-            show(f"ours P={P or 'plan'} block_v={bv or 'default'} kernel A={pk}{'' if lay is None else lay} "
-                 f"kernel C={wk}", ours)
+            show(f"ours P={P or 'plan'} block_v={bv or 'default'} prep_kernel={pk}{'' if lay is None else lay} "
+                 f"wu_kernel={wk}", ours)
             rows.append({"B": B, "T": T, "H": H, "k3_gates": a.k3_gates, "segments": P, "block_v": bv,
                          "prep_kernel": pk, "mgpu_a": lay, "wu_kernel": wk, "ours_us": us(ours)})
         if not a.no_fla:

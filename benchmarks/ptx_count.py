@@ -159,7 +159,7 @@ def _window_case(mode, T, B=4, H=2, K=128, V=128, **tiling):
 CASES = {
     "prefill": _prefill_case,
     "prefill_segments": lambda: _prefill_case(num_segments=3),  # + the summary pass, recurrence at block_v 64
-    "prefill_bounded": lambda: _prefill_case(gate_lower_bound=-5.0),  # K3 gates: kernel A without the span check
+    "prefill_bounded": lambda: _prefill_case(gate_lower_bound=-5.0),  # K3 gates: the intra-chunk products without the span check
     "verify": lambda **t: _window_case(_window.VERIFY, 8, **t),
     "verify_deltas": lambda **t: _window_case(_window.VERIFY_DELTAS, 8, **t),
     "commit": lambda **t: _window_case(_window.COMMIT, 8, **t),

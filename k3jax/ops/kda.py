@@ -63,8 +63,29 @@ def kda_gate(
     return lower_bound * jax.nn.sigmoid(a * x)
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
-    """Static shape checks; returns (B, T, H, HV, K, V, N)."""
+class KdaDims(NamedTuple):
+    """Sizes of a KDA call: batch rows, tokens per row, q/k heads, value heads, key and value head
+    dims, sequences (``B``, or ``len(cu_seqlens) - 1`` for packed varlen inputs)."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+
+
+def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None, *, chunk_size=None,
+                     checkpoint_stride=None) -> KdaDims:
+    """Static checks of a KDA call's arguments (shapes, GVA, varlen packing, and for the chunked
+    forms ``chunk_size`` in {16, 32, 64} and ``checkpoint_stride`` a positive multiple of it);
+    raises ``ValueError`` naming the first bad one. Shared by every KDA entry point (references,
+    Pallas kernels, context parallelism). Returns the call's :class:`KdaDims`."""
+    if chunk_size is not None and chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % (chunk_size or 1)):
+        raise ValueError(f"checkpoint_stride {checkpoint_stride} must be a positive multiple of chunk_size {chunk_size}")
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     if k.shape != q.shape:
@@ -86,7 +107,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
         N = B
     if initial_state is not None and initial_state.shape != (N, HV, K, V):
         raise ValueError(f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)}, got {initial_state.shape}")
-    return B, T, H, HV, K, V, N
+    return KdaDims(B, T, H, HV, K, V, N)
 
 
 def _flatten(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
@@ -136,7 +157,7 @@ def naive_recurrent_kda(
     Returns:
       ``(o [B, T, HV, V] in v.dtype, final_state f32[N, HV, K, V])``.
     """
-    B, T, H, HV, K, V, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, HV, K, V, N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta, cu = _flatten(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     TT = q.shape[0]
@@ -159,10 +180,11 @@ def naive_recurrent_kda(
 
     xs = (q, k, v, g, beta, seq_c, is_first, is_last, valid)
     (_, final), o = jax.lax.scan(step, (jnp.zeros((HV, K, V), jnp.float32), init), xs)
-    return o.reshape(B, T, HV, V).astype(_out_dtype(v)), final
+    return o.reshape(B, T, HV, V).astype(output_dtype(v)), final
 
 
-def _out_dtype(v):
+def output_dtype(v):
+    """The dtype of a call's outputs: ``v``'s if floating, else float32."""
     return v.dtype if jnp.issubdtype(v.dtype, jnp.floating) else jnp.float32
 
 
@@ -290,14 +312,14 @@ def sequence_maps(k, v, g, beta, *, cu_seqlens=None, chunk_size: int = 64):
 
     Returns ``(M f32[N, HV, K, K], E f32[N, HV, K, V])``; an empty sequence gives ``(I, 0)``.
     """
-    B, T, H, HV, K, V, N = _check_inputs(k, k, v, g, beta, None, cu_seqlens)
+    B, T, H, HV, K, V, N = check_kda_inputs(k, k, v, g, beta, None, cu_seqlens)
     _, kf, vf, gf, bf, cu = _flatten(k, k, v, g, beta, cu_seqlens, False)
-    lay = _chunk_layout(cu, kf.shape[0], chunk_size, N, None)
+    lay = chunk_layout(cu, kf.shape[0], chunk_size, N, None)
     prep = chunk_prep(None, *(_to_chunks(x, lay, chunk_size) for x in (kf, vf, gf, bf)), 1.0)
     return _sequence_maps(prep, lay, N)
 
 
-class _ChunkLayout(NamedTuple):
+class ChunkLayout(NamedTuple):
     """Chunk-aligned packing of varlen sequences: every sequence starts on a chunk boundary."""
 
     src: jax.Array  # i32[NC * C] packed token feeding each padded slot (clipped)
@@ -312,7 +334,10 @@ class _ChunkLayout(NamedTuple):
     cstart: jax.Array  # i32[N + 1] first chunk of each sequence (and the end)
 
 
-def _chunk_layout(cu, T, C, N, stride):
+def chunk_layout(cu, T, C, N, stride) -> ChunkLayout:
+    """The chunk-aligned packing of ``T`` packed tokens in ``N`` sequences (``cu i32[N + 1]``) into
+    chunks of ``C`` tokens, with the checkpoint written after each chunk every ``stride`` tokens
+    of its sequence (``stride`` None: none)."""
     lens = cu[1:] - cu[:-1]
     nch = (lens + C - 1) // C
     cstart = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])  # i32[N + 1]
@@ -335,7 +360,7 @@ def _chunk_layout(cu, T, C, N, stride):
         ckpt = jnp.full((NC,), -1, jnp.int32)
     else:
         ckpt = jnp.where(chunk_ok & (end % stride == 0) & (end <= lens[s_c]), end // stride - 1, -1)
-    return _ChunkLayout(
+    return ChunkLayout(
         src=src,
         ok=ok,
         dst=dst,
@@ -349,7 +374,7 @@ def _chunk_layout(cu, T, C, N, stride):
     )
 
 
-def _to_chunks(x, lay: _ChunkLayout, C):
+def _to_chunks(x, lay: ChunkLayout, C):
     """Packed ``[T, HV, *]`` -> ``[NC, HV, C, *]`` with 0 in padded slots (NaN padding never leaks)."""
     y = x[lay.src]
     y = jnp.where(lay.ok.reshape((-1,) + (1,) * (y.ndim - 1)), y, 0.0)
@@ -388,17 +413,14 @@ def chunk_kda(
       (``T``); entry ``j`` of sequence ``n`` holds the state after ``(j + 1) * stride`` tokens
       and is valid for ``j < len_n // stride`` (0 beyond).
     """
-    if chunk_size not in (16, 32, 64):
-        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
-    if checkpoint_stride is not None and (checkpoint_stride <= 0 or checkpoint_stride % chunk_size):
-        raise ValueError(f"checkpoint_stride {checkpoint_stride} must be a positive multiple of chunk_size {chunk_size}")
-    B, T, H, HV, K, V, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, HV, K, V, N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=chunk_size,
+                                            checkpoint_stride=checkpoint_stride)
     scale = K**-0.5 if scale is None else scale
-    out_dtype = _out_dtype(v)
+    out_dtype = output_dtype(v)
     C = chunk_size
     qf, kf, vf, gf, bf, cu = _flatten(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     TT = qf.shape[0]
-    lay = _chunk_layout(cu, TT, C, N, checkpoint_stride)
+    lay = chunk_layout(cu, TT, C, N, checkpoint_stride)
     prep = chunk_prep(*(_to_chunks(x, lay, C) for x in (qf, kf, vf, gf, bf)), scale)
     init = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     if initial_state_fn is not None:
@@ -467,9 +489,9 @@ def kda_verify(state, q, k, v, g, beta, *, scale=None):
     Returns:
       ``o [B, T, HV, V]`` in v.dtype: position ``t`` sees the state after positions ``0..t``.
     """
-    _check_inputs(q, k, v, g, beta, state, None)
+    check_kda_inputs(q, k, v, g, beta, state, None)
     o, _ = _window_states(state, q, k, v, g, beta, scale)
-    return o.astype(_out_dtype(v))
+    return o.astype(output_dtype(v))
 
 
 def kda_commit(state, k, v, g, beta, num_tokens):
@@ -481,7 +503,7 @@ def kda_commit(state, k, v, g, beta, num_tokens):
     Returns:
       ``f32[B, HV, K, V]``.
     """
-    _check_inputs(k, k, v, g, beta, state, None)
+    check_kda_inputs(k, k, v, g, beta, state, None)
     _, states = _window_states(state, k, k, v, g, beta, None)
     all_states = jnp.concatenate([state.astype(jnp.float32)[:, None], states], axis=1)
     n = jnp.clip(num_tokens, 0, k.shape[1])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.kda import _check_inputs, _einsum, chunk_kda, combine_segments, sequence_maps
+from k3jax.ops.kda import _einsum, check_kda_inputs, chunk_kda, combine_segments, sequence_maps
 
 __all__ = ["apply_segment", "chunk_kda_segmented", "combine_segments", "prefix_starts", "segment_initial_states"]
 
@@ -50,7 +50,7 @@ def chunk_kda_segmented(
 
     Same inputs as :func:`k3jax.ops.kda.chunk_kda` without varlen. Returns ``(o, final_state)``.
     """
-    B, T, H, HV, K, V, N = _check_inputs(q, k, v, g, beta, initial_state, None)
+    B, T, H, HV, K, V, N = check_kda_inputs(q, k, v, g, beta, initial_state, None)
     P = num_segments
     if P < 1:
         raise ValueError(f"num_segments must be >= 1, got {P}")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from k3jax.ops.conv import short_conv
-from k3jax.ops.kda import _check_inputs, chunk_kda
+from k3jax.ops.kda import check_kda_inputs, chunk_kda
 from k3jax.ops.segments import apply_segment, combine_segments
 
 
@@ -79,7 +79,7 @@ def chunk_kda_cp(
     Returns:
       ``(o [B, T, HV, V] sharded like the inputs, final_state f32[N, HV, K, V] replicated)``.
     """
-    B, T, H, HV, K, V, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, HV, K, V, N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     P = mesh.shape[axis_name]
     if T % P:
         raise ValueError(f"T={T} must be divisible by the {axis_name!r} axis size {P}")

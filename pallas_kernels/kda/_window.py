@@ -10,7 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.kda._chunk import _exp  # exp2-based (fewer GPU instructions: docs/benchmarks.md)
+from pallas_kernels.kda.common import fast_exp  # exp2-based: fewer GPU instructions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +78,14 @@ def split_refs(refs, mode: Mode):
 def delta_rule(S, k_col, v_row, g_col, b):
     """One token: decay, delta-rule correction, rank-1 write. S: f32[K, V]; b: [1, 1].
     Returns the new state and the correction ``u [1, V]``."""
-    S = S * _exp(g_col)
+    S = S * fast_exp(g_col)
     u = b * (v_row - jnp.sum(k_col * S, axis=0, keepdims=True))
     return S + k_col * u, u
 
 
 def apply_delta(S, k_col, u_row, g_col):
     """One token whose correction ``u`` is known (from :func:`delta_rule` on the same state)."""
-    return S * _exp(g_col) + k_col * u_row
+    return S * fast_exp(g_col) + k_col * u_row
 
 
 def readout(S, q_col, scale):

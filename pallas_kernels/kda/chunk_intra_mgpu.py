@@ -1,14 +1,14 @@
-"""Kernel A of the GPU token-parallel stage in Mosaic GPU (``plgpu.kernel``), for bounded gates:
-:func:`rows_call`, an alternative to the Triton kernel A of
-:func:`pallas_kernels.kda._chunk.gpu_prep_call`.
+"""The intra-chunk products (Aqk, Akk as ``N = beta Akk``, qg) in Mosaic GPU (``plgpu.kernel``):
+:func:`rows_call`, the contract of the Triton kernel
+(:func:`pallas_kernels.kda.chunk_intra_triton.rows_call`) where every 16-row sub-chunk's gate span
+is at most ``SPAN``.
 
 One warpgroup per item (chunk, value head), ``WGS`` warpgroups per CTA (one by default),
 items in order with the heads fastest. TMA brings the chunk's q, k, gate cumsum G and
 each 16-row sub-chunk's anchor row of G into shared memory in 32-column parts of K, the next two
 parts' copies in flight while this one is computed, and beta once (awaited after the first
-parts' copies are issued: waiting before them made every item start with two memory latencies in
-a row, 1181 against 1140 us on the H200 at B1 T131k H12, 2026-12-03).
-Every sub-chunk ``i`` is anchored at its first row's G, ``a_i`` (as in the Triton kernel A), so
+parts' copies are issued, so no item starts with two memory latencies in a row).
+Every sub-chunk ``i`` is anchored at its first row's G, ``a_i`` (as in the Triton kernel), so
 the row factors ``exp(G_r - a_i)`` lie in ``[e^-75, 1]`` and the column factors
 ``exp(a_i - G_c)`` of the columns up to the sub-chunk's end in ``[e^-240, e^75]`` when every gate
 is at least -5 (normal float32 and TF32). One exponential per element gives every column's factor
@@ -23,32 +23,22 @@ on rows that are dropped. Each result, block column ``i`` of ``Aqk^T`` and ``Akk
 rows ``16 i ..`` of the output tiles by a transposed store: a register relayout to the
 transposed WGMMA layout (a lane shuffle), then a store through the transposed view of a plain
 shared memory tile. Writes qg, Aqk (scaled, causal) and ``N = beta Akk`` strictly lower, its
-diagonal blocks included, for the Triton kernel B (``_chunk._inverse_body``).
+diagonal blocks included, for the inverse (:mod:`pallas_kernels.kda.wy_fast_triton`).
 
 The products and the output tiles are two scopes in turn over one shared memory region (86 KB
 per warpgroup at K = 128 with bf16 outputs), so two CTAs share an SM (255 registers, which also
 allows two). The kernel is written with warpgroup threads (``num_threads=WGS``; the scopes are
-collective, so a CTA's warpgroups enter each together): on the H200 even at one warpgroup per
-CTA that took 1.18 against 1.28 ms for the same code as a plain one-warpgroup kernel over a
-``(chunk, head)`` grid, with the same bits (B1 T131k H12; 401 against 434 us at H4, 790
-against 859 at T32k H32; 2026-12-03). The cause was not isolated: the grid order alone changed
-nothing. More warpgroups per CTA cap ptxas' registers (168 at three, three warpgroups per SM
-instead of two) but were slower: 1.43 ms with 16-column parts. On the H200 at B1 T131k H12 it
-took 1.28 ms before (2026-12-03); 1.42 ms when the later anchors' factors were exponentials of their own
-and the block columns were placed by products with 0/1 matrices (in two TF32-exact parts),
-1.74 ms with the K parts unrolled, 3.21 ms with 64-column halves loaded at once (184 KB, one CTA
-per SM) and 2.10 ms for the Triton kernel A (2026-12-02).
-
-G comes from the cumsum kernel. Forming it in here (three tries, the last on 2026-12-03 with exact
-bf16 pieces on the tensor cores: 1.64 against 1.28 ms, the whole call 4.51 against 4.29) costs
-this one-warpgroup kernel more than the G round trip saves (docs/benchmarks.md).
+collective, so a CTA's warpgroups enter each together), which was faster than the same code as
+a plain one-warpgroup kernel over a ``(chunk, head)`` grid, with the same bits. G comes from the
+cumsum kernel (:func:`pallas_kernels.kda.chunk_prep_gpu.gate_cumsum_call`); forming it in here
+was slower. The variants tried and their times: ``docs/benchmarks.md``.
 
 Those ranges hold whenever every sub-chunk's gate span (its largest G minus its smallest, per
 head and channel) is at most ``SPAN`` = 75 nats, which gates of at least -5 guarantee. For
 unbounded gates the cumsum kernel flags the chunks where a span is wider
-(``_chunk.gate_cumsum_call(span=SPAN)``), and after this kernel the Triton kernel A (its per-row
-span test and exact fallback) redoes those chunks in place. Columns carried past a much steeper
-gate underflow to zero, as their true terms (below ``e^-87`` relative) do.
+(``gate_cumsum_call(span=SPAN)``), and after this kernel the Triton kernel (its per-row span test
+and exact fallback) redoes those chunks in place. Columns carried past a much steeper gate
+underflow to zero, as their true terms (below ``e^-87`` relative) do.
 """
 
 from __future__ import annotations
@@ -61,21 +51,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda._chunk import _LOG2_E, SUB, _exp
-from pallas_kernels.kda.prefill_mgpu import _part, _pipelined, _swizzled
+from pallas_kernels.kda.common import LOG2_E, SUB, fast_exp
+from pallas_kernels.kda.mgpu_common import column_part, pipelined, swizzled_transforms
 
 _F32 = jnp.float32
 C = 64  # chunk rows: one WGMMA row block
 PART = 32  # K columns per pass: one 128-byte row of float32 (tile 8 x 32, 128-byte swizzle)
 NS = C // SUB
-# Input buffers: parts x + 1 and x + 2's copies are in flight while part x is computed. On the H200
-# at B1 T131k H12 three were 1.7% faster than two (1418 against 1442 us, 2026-12-02; 86 against
-# 70 KB of shared memory, two CTAs per SM either way: registers limit them); four (103 KB) were
-# slower, 1151 against 1133 us (2026-12-03).
+# Input buffers: parts x + 1 and x + 2's copies are in flight while part x is computed (three were
+# faster than two and than four; two CTAs per SM either way: registers limit them).
 SLOTS = 3
-# Warpgroups per CTA, each on an item (chunk, value head) of its own with its own buffers. On the
-# H200 at B1 T131k H12 (2026-12-03): 1 (two CTAs per SM) 1177 us; with PART 16, 3 (168
-# registers, no spills) 1428, 2 1619; with two input slots, 3 (312 bytes spilled) 1820.
+# Warpgroups per CTA, each on an item (chunk, value head) of its own with its own buffers (one, two
+# CTAs per SM, was faster than two or three).
 WGS = 1
 
 
@@ -85,7 +72,7 @@ SPAN = 75.0  # nats: 15 steps of the -5 gate bound
 def supported(K, chunk_size, dtype) -> bool:
     """Whether :func:`rows_call` takes these shapes: chunk 64, K in {64, 128}, 16-bit inputs (TF32
     products are the Triton path's precision for those only). Its rows are right where every
-    sub-chunk spans at most ``SPAN``; for unbounded gates ``chunk_kda`` has the Triton kernel A
+    sub-chunk spans at most ``SPAN``; for unbounded gates ``chunk_kda`` has the Triton kernel
     redo the other chunks."""
     return chunk_size == C and K in (64, 128) and jnp.dtype(dtype).itemsize == 2
 
@@ -108,10 +95,10 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
     # Every tile in the WGMMA layout: the layout inference then has one choice per value.
     pin = lambda x: plgpu.layout_cast(x, lay)
     iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=lay)
-    part = lambda x: _part(x, PART)
+    part = lambda x: column_part(x, PART)
     # Every warpgroup's own buffers along a leading axis (:func:`mine` takes its part).
     smem = lambda shape, dtype, width=None: plgpu.SMEM((WGS, *shape), dtype,
-                                                       transforms=_swizzled(dtype, width) if width else ())
+                                                       transforms=swizzled_transforms(dtype, width) if width else ())
     mine = lambda f: lambda *refs: f(*(r.at[wg] for r in refs[:-1]), refs[-1])  # the last: barriers
     barrier_at = lambda bars, slot: bars.at[wg * SLOTS + slot]
     st = qg_ref.dtype
@@ -145,11 +132,11 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             anchor = spread(avec[NS - 1])
             for i in range(NS - 2, -1, -1):
                 anchor = pin(jnp.where(sub == i, spread(avec[i]), anchor))
-            t = pin((G - anchor) * _LOG2_E)  # G_r - a_sub(r), in base 2
+            t = pin((G - anchor) * LOG2_E)  # G_r - a_sub(r), in base 2
             e = pin(jnp.exp2(t))
             q = pin(plgpu.load(q_s.at[slot], layout=lay).astype(_F32))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # part x - 1's qg has left qg_s
-            qg_s[...] = pin((scale * q * _exp(G)).astype(st))
+            qg_s[...] = pin((scale * q * fast_exp(G)).astype(st))
             rq_s[...] = pin(q * e)
             beta = pin(lax.broadcast_in_dim(plgpu.load(b_s, layout=lay.reduce(1)), (C, PART), [0]))
             k = pin(plgpu.load(k_s.at[slot], layout=lay).astype(_F32))
@@ -162,7 +149,7 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
             kc = pin(jnp.where(sub == 0, own, 0.0))
             for i in range(NS):
                 if i:
-                    step = spread(_exp(avec[i] - avec[i - 1]))
+                    step = spread(fast_exp(avec[i] - avec[i - 1]))
                     kc = pin(jnp.where(sub == i, own, kc * step))
                 # kc_s[i % 2]'s last products (sub-chunk i - 2's) are done: at most the latest pair
                 # is in flight.
@@ -176,8 +163,8 @@ def _kernel(q_ref, k_ref, G_ref, beta_ref, qg_ref, aqk_ref, n_ref, *, scale, rep
                 plgpu.wgmma(accs[NS + i], kc_s.at[i % 2], rk_s.at[block].T)
             plgpu.wgmma_wait(0)  # before rq_s, rk_s and kc_s are rewritten
 
-        # The parts as a loop, not unrolled: 14% faster on the H200 (240 registers against 255 then).
-        _pipelined(nparts, SLOTS, issue, part_step, lambda: plgpu.barrier_wait(b_bar))  # beta's copy
+        # The parts as a loop, not unrolled: faster, and fewer registers.
+        pipelined(nparts, SLOTS, issue, part_step, lambda: plgpu.barrier_wait(b_bar))  # beta's copy
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # qg_s is freed with this scope
         return [a[...] for a in accs]
 
@@ -225,7 +212,7 @@ def rows_call(q, k, G, beta, *, scale, store_dtype, interpret=False):
     TT, H, K = q.shape
     HV = G.shape[1]
     if not supported(K, C, q.dtype) or TT % C:
-        raise ValueError(f"the Mosaic GPU kernel A takes chunk {C}, K in (64, 128) and 16-bit q, k; got "
+        raise ValueError(f"the Mosaic GPU intra-chunk kernel takes chunk {C}, K in (64, 128) and 16-bit q, k; got "
                          f"K={K}, {q.dtype}, {TT} tokens")
     out = (jax.ShapeDtypeStruct((HV, TT, K), store_dtype), jax.ShapeDtypeStruct((HV, TT, C), store_dtype),
            jax.ShapeDtypeStruct((HV, TT, C), _F32))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda._window import Mode, apply_delta, delta_rule, readout, split_refs
-from pallas_kernels.kda.prefill import gpu_core_count, gpu_programs
+from pallas_kernels.kda.gpu_common import gpu_core_count, gpu_programs
 
 _F32 = jnp.float32
 

@@ -1,34 +1,30 @@
-"""The prefill's recurrent stage in Mosaic GPU (``plgpu.kernel``): :func:`scan_call`, the contract
-of :func:`pallas_kernels.kda.prefill_gpu.scan_call` for bfloat16 intermediates.
+"""The recurrent stage in Mosaic GPU (``plgpu.kernel``): :func:`scan_call`, the contract of
+:func:`pallas_kernels.kda.recurrence_triton.scan_call` for bfloat16 intermediates.
 
 One CTA per ``(virtual sequence, HV, V / 64)`` loops over the sequence's chunks; each of its
 ``64 / block_v`` warpgroups keeps ``f32[K, block_v]`` of the state in registers (the WGMMA
 accumulator layout). Per chunk, TMA brings W, qg, Aqk, kd^T and the decay into shared memory
 once for the CTA (its warpgroups share them) and each warpgroup's U columns, double-buffered
 (three slots in summary mode): chunk ``c + 1``'s copies (``c + 2``'s) are issued before chunk
-``c``'s work, and a slot is refilled only once every warpgroup has released it. Two warpgroups
-of 32 columns give each SM two independent dependency chains in the same shared memory (193 KB
-at K = 128); one of 64 (the default) was 1-2% faster on the H200. The state goes to
-shared memory as bfloat16 (the operand of ``W S`` and ``qg S``) and so does ``V_new = U - W S``
-(of ``Aqk V_new`` and ``kd^T V_new``); the four products run on the tensor cores (WGMMA, bf16
-operands, f32 accumulation: the numerics of the Triton kernel's ``BF16_BF16_F32``), the state
-stays float32.
+``c``'s work, and a slot is refilled only once every warpgroup has released it. The state goes
+to shared memory as bfloat16 (the operand of ``W S`` and ``qg S``) and so does
+``V_new = U - W S`` (of ``Aqk V_new`` and ``kd^T V_new``); the four products run on the tensor
+cores (WGMMA, bf16 operands, f32 accumulation: the numerics of the Triton kernel's
+``BF16_BF16_F32``), the state stays float32.
 The outputs leave through shared memory by TMA; checkpoints and final states likewise, staged in
 memory the state and V_new tiles share (a ``RefUnion``; with several warpgroups between CTA-wide
-syncs). The recurrence may also hold two warpgroups of 64 columns in a CTA (``cta_cols=128``, 16-bit
-outputs: 209 KB at K = 128), half the CTAs for a chunk 1.3-1.45x as long in small waves and 1.8-1.9x
-in full ones (HBM-bound at either width), which pays where it saves waves.
+syncs). The recurrence may also hold two warpgroups of 64 columns in a CTA (``cta_cols=128``,
+16-bit outputs: 209 KB at K = 128): half the CTAs for a longer chunk, which pays where it saves
+waves (:func:`pallas_kernels.kda.segment_plan.recurrence_cta_cols`).
 ``summary=True`` runs the ``[M | E]`` columns as the Triton kernel does (README.md); there a CTA
-may also hold two warpgroups of 64 columns (``cta_cols=128``: 145 KB with two input slots), half
-the CTAs of 64 for a chunk step 1.25-1.35x as long, which pays where it saves a wave, or all
-``K + V = 256`` columns on four warpgroups (``cta_cols=256``: 193 KB; W and kd^T copied once for
-the M and E columns, the M warpgroups read no U), a chunk step about 1.6x a recurrence chunk's.
-The summary pass stages its f32 states in shared memory of their own scopes before and after the
-loop (128 KB at 256 columns), and at 256 columns each ``kd^T V_new`` accumulates onto
-``decay S`` in its own registers (``pl.run_state``): 128 registers per thread, 28 bytes spilled.
-With a separate accumulator and sum (what the Mosaic GPU interpreter runs: it has no
-``run_state``) the pass took 744 against 447 us on the H200 (B1 T131k H12, P = 11, 2026-12-03;
-the same bits).
+may also hold two warpgroups of 64 columns (``cta_cols=128``: 145 KB with two input slots) or
+all ``K + V = 256`` columns on four warpgroups (``cta_cols=256``: 193 KB; W and kd^T copied once
+for the M and E columns, the M warpgroups read no U). The summary pass stages its f32 states in
+shared memory of their own scopes before and after the loop (128 KB at 256 columns), and at 256
+columns each ``kd^T V_new`` accumulates onto ``decay S`` in its own registers
+(``pl.run_state``: 128 registers per thread, where a separate accumulator and sum spills);
+the Mosaic GPU interpreter, which has no ``run_state``, runs the separate form (the same bits).
+Measurements: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -41,11 +37,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kda.mgpu_common import swizzled_transforms
+
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 BV = 64  # value columns per CTA: one 128-byte swizzled row of bf16
-# State columns per warpgroup: one warpgroup of 64 per CTA. On the H200 (2026-12-02, whole call)
-# 1-2% faster than two of 32: H = 12, T = 131072, P = 4 5.35 against 5.42 ms; B1 T32k H32, P = 2
-# 3.32 against 3.38.
+# State columns per warpgroup: one warpgroup of 64 per CTA (faster than two of 32 on the H200).
 DEFAULT_BLOCK_V = 64
 
 
@@ -79,45 +75,12 @@ def check_block_v(block_v):
         raise ValueError(f"block_v must be 32 or 64 for the Mosaic GPU recurrence, got {block_v}")
 
 
-def _swizzled(dtype, width):
-    """SMEM transforms of a WGMMA operand with rows of ``width`` elements: 8-row tiles of one row's
-    bytes (at most 128), swizzled. The operands of one product share one swizzle (the layout
-    inference takes no mix)."""
-    swizzle = min(128, width * jnp.dtype(dtype).itemsize)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def _part(x, width):
-    """Columns ``[x width, (x + 1) width)``: ``x`` a Python int (a first copy) or a loop's traced index
-    (a multiple of ``width`` for the layout inference of the TMA copies)."""
-    return pl.ds(x * width if isinstance(x, int) else pl.multiple_of(x * width, width), width)
-
-
-def _pipelined(n, slots, issue, step, started=None):
-    """Parts ``0 .. n - 1`` through ``slots`` input buffers: ``issue(x, slot)`` copies part ``x`` in,
-    ``step(x, slot)`` works on it. Part ``x + slots - 1``'s copies are issued before part ``x``'s
-    work (the slot they fill was last read by part ``x - 1``). ``started()`` runs once the first
-    parts' copies are issued, before any work: a wait there for inputs every part reads (copied
-    before this call) overlaps the first parts' copies."""
-    for x in range(min(slots - 1, n)):
-        issue(x, x)
-    if started is not None:
-        started()
-
-    @pl.loop(0, n)
-    def _(x):
-        nxt = x + slots - 1
-        pl.when(nxt < n)(lambda: issue(nxt, lax.rem(nxt, slots)))
-        step(x, lax.rem(x, slots))
-
-
 def _products(w, kdT, u, s_smem, vn_smem, qa, ws_acc, kv_acc, o_acc):
     """One chunk's products on the tensor cores: ``W S`` and ``qg S`` (both need only the state),
     ``V_new = U - W S`` to shared memory, then ``kd^T V_new`` and ``Aqk V_new``. Each wait leaves
-    the output product in flight, so it overlaps the CUDA-core work of the state's chain: on the
-    H200 the recurrence took 696 us against 727 when the outputs' products were issued after
-    ``kd^T V_new`` and all three awaited (H = 12, T = 131072, P = 4; the same bits). Returns
-    ``kd^T V_new`` and the outputs."""
+    the output product in flight, so it overlaps the CUDA-core work of the state's chain (faster
+    than issuing the outputs' products after ``kd^T V_new`` and awaiting all three; the same
+    bits). Returns ``kd^T V_new`` and the outputs."""
     plgpu.wgmma(ws_acc, w, s_smem)
     plgpu.wgmma(o_acc, qa[0], s_smem)
     ws = plgpu.wgmma_accumulator_load(ws_acc, wait_n=1)
@@ -201,7 +164,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
     # Swizzled buffers take the swizzle of a row of the warpgroup's columns in their dtype: every
     # bf16 operand the same (64 bytes at 32 columns, 128 at 64).
     smem = lambda shape, dtype, swizzled=True: plgpu.SMEM(
-        shape, dtype, transforms=_swizzled(dtype, BW) if swizzled else ())
+        shape, dtype, transforms=swizzled_transforms(dtype, BW) if swizzled else ())
     # Each warpgroup's operand tiles: the state and V_new in bf16 (and its output tile).
     tiles = (smem((wgs, K, BW), _BF16), smem((wgs, C, BW), _BF16)) + (
         () if summary else (smem((wgs, C, BW), o_ref.dtype),))
@@ -355,7 +318,7 @@ def _kernel(bounds_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_r
 
 def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None,
               block_v=DEFAULT_BLOCK_V, cta_cols=BV, interpret=False):
-    """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.prefill_gpu.scan_call`
+    """Stage 2 on Mosaic GPU; arguments and results as :func:`pallas_kernels.kda.recurrence_triton.scan_call`
     (``prep`` must hold bfloat16 intermediates, see :func:`supported`). ``block_v``: state columns
     per warpgroup, 64 (one warpgroup per CTA) or 32 (two sharing the CTA's inputs). ``cta_cols``:
     state columns per CTA, 64, or 128 (:func:`recurrence_widths`), in summary mode 128 or ``K + V``
@@ -378,8 +341,8 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
                          f"K={K}, V={V}, out_dtype {None if summary else jnp.dtype(out_dtype).name})")
     wgs = cta_cols // block_v
     # Input slots: chunk c + slots - 1's copies are issued before chunk c's work. Three in summary
-    # mode at 64 columns (no qg, Aqk: 145 KB of shared memory at K = 128; 1-2% faster there than
-    # two on the H200), two otherwise (193 KB; 145 KB for the summary at 128 columns, 193 at 256).
+    # mode at 64 columns (no qg, Aqk: 145 KB of shared memory at K = 128; faster there than two),
+    # two otherwise (193 KB; 145 KB for the summary at 128 columns, 193 at 256).
     slots = 3 if summary and cta_cols == BV else 2
     Nv = vstart.shape[0]
     width = K + V if summary else V

@@ -1,15 +1,14 @@
-"""GPU prefill kernels (Pallas Triton lowering; README.md says why not Mosaic GPU).
+"""The recurrent stage in Triton (Pallas Triton lowering; README.md says why not Mosaic GPU
+everywhere), and the fold of the segments' maps.
 
-Stage 1 is :func:`pallas_kernels.kda._chunk.gpu_prep_call` (three kernels) on token-major
-inputs. Stage 2, :func:`scan_call`, has grid ``(virtual sequences, HV, column blocks)``: each
-program keeps ``f32[K, BV]`` of one state in registers and loops over its virtual sequence's
-chunks (``vstart[s] <= c < vend[s]``) doing ``V_new = U - W S``, the chunk's outputs
+:func:`scan_call` has grid ``(virtual sequences, HV, column blocks)``: each program keeps
+``f32[K, BV]`` of one state in registers and loops over its virtual sequence's chunks
+(``vstart[s] <= c < vend[s]``) doing ``V_new = U - W S``, the chunk's outputs
 ``qg S + Aqk V_new`` and ``S' = decay S + kd^T V_new``. A virtual sequence is a whole sequence
 or, for segment-parallel prefill, one segment of it. Refs are whole arrays indexed in the kernel.
-The outputs are formed in the scan: the two output products are off the state's dependency
-chain, and no per-chunk state or ``V_new`` goes through memory. A separate all-parallel output
-kernel (the states and ``V_new`` stored by the scan) was 8-9% slower overall on the H200
-(2026-12-01: B1 T32k H32 4.13 against 3.81 ms of kernel time, H4 T131k 2.34 against 2.12).
+The outputs are formed in the loop: the two output products are off the state's dependency
+chain, and no per-chunk state or ``V_new`` goes through memory (a separate all-parallel output
+kernel was slower).
 
 ``summary=True`` computes each virtual sequence's affine map ``S -> M S + E`` instead of
 outputs: the recurrence is independent across state columns, so running it on ``K + V``
@@ -27,7 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda._chunk import _F32, _HI, GPU_PRECISION, _dot
+from pallas_kernels.kda.common import GPU_PRECISION, HIGHEST, dot_f32
+from pallas_kernels.kda.gpu_common import triton_params
+
+_F32 = jnp.float32
 
 
 def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref, init_ref, qg_ref, aqk_ref, *outs,
@@ -61,11 +63,11 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref,
     def body(c, S):
         rows = pl.ds(c * C, C)
         f32 = lambda ref: ref[h, rows, :].astype(_F32)  # the chunk's rows of a [HV, TT, width] input
-        v_new = u_scale * u_ref[h, rows, ucols].astype(_F32) - _dot(f32(w_ref), S, precision)
+        v_new = u_scale * u_ref[h, rows, ucols].astype(_F32) - dot_f32(f32(w_ref), S, precision)
         if not summary:
-            o = _dot(f32(qg_ref), S, precision) + _dot(f32(aqk_ref), v_new, precision)
+            o = dot_f32(f32(qg_ref), S, precision) + dot_f32(f32(aqk_ref), v_new, precision)
             o_ref[rows, h, cols] = o.astype(o_ref.dtype)
-        S = decay_ref[h, c] * S + _dot(kdT_ref[h, c].astype(_F32), v_new, precision)
+        S = decay_ref[h, c] * S + dot_f32(kdT_ref[h, c].astype(_F32), v_new, precision)
         if not summary:
             slot = ck_ref[c]
 
@@ -76,12 +78,6 @@ def _scan_kernel(vstart_ref, vend_ref, ck_ref, kdT_ref, w_ref, u_ref, decay_ref,
         return S
 
     final_ref[s, h, :, cols] = jax.lax.fori_loop(lo, hi, body, S0)
-
-
-def params(num_warps, num_stages):
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, out_dtype=None, block_v=64,
@@ -116,10 +112,10 @@ def scan_call(prep, init, vstart, vend, ck_slot, *, n_ck_slots, summary=False, o
         out_shape = [jax.ShapeDtypeStruct((TT, HV, V), out_dtype), jax.ShapeDtypeStruct((Nv, HV, K, V), _F32),
                      jax.ShapeDtypeStruct((n_ck_slots, HV, K, V), _F32)]
     outs = pl.pallas_call(
-        functools.partial(_scan_kernel, BV=BV, summary=summary, precision=_HI if interpret else precision, e_init=e_init),
+        functools.partial(_scan_kernel, BV=BV, summary=summary, precision=HIGHEST if interpret else precision, e_init=e_init),
         grid=(Nv, HV, width // BV),
         out_shape=out_shape,
-        compiler_params=None if interpret else params(num_warps, num_stages if K <= 128 else 1),
+        compiler_params=None if interpret else triton_params(num_warps, num_stages if K <= 128 else 1),
         interpret=interpret,
     )(vstart, vend, ck_slot, kdT, W, U, decay, init, qg, Aqk)
     return outs[0] if summary else tuple(outs)
@@ -147,7 +143,7 @@ def _fold_kernel(me_ref, init_ref, out_ref, *, P: int, BV: int, KB: int, precisi
     def step(p, carry):
         S, (M, E) = carry
         ahead = load(jnp.minimum(p + 1, P - 2))
-        S = tuple(sum(_dot(m, x, precision) for m, x in zip(Mi, S)) + Ei for Mi, Ei in zip(M, E))
+        S = tuple(sum(dot_f32(m, x, precision) for m, x in zip(Mi, S)) + Ei for Mi, Ei in zip(M, E))
         store(p + 1, S)
         return S, ahead
 
@@ -164,11 +160,9 @@ def fold_call(ME, init, *, P: int, block_v=16, block_k=128, num_warps=8, num_sta
     Returns ``f32[N * P, HV, K, V]``: ``init``, ``E_0``, then ``S_{p+1} = M_p S_p + E_p``. One
     program per ``(sequence, head, block_v columns)`` keeps its columns of the state in registers
     (as ``K / block_k`` row blocks) through the ``P - 2`` products, TF32x3 (float32-accurate, as
-    KDA.md asks of the M chain), each segment's map loaded a step ahead. It replaced a chain of
-    XLA's batched products and adds, two kernels per segment: 34 against 70 us at B1 H12 P11 on
-    the H200 (docs/benchmarks.md, 2026-12-03; 16 columns on 8 warps; 36 us without the load
-    ahead, 59-147 with 32 or 64 columns or 4 or 16 warps, 530 with IEEE float32 products).
-    K = 256 (two row blocks) is tested, not timed."""
+    KDA.md asks of the M chain), each segment's map loaded a step ahead (the defaults, 16 columns
+    on 8 warps, were the fastest timed; docs/benchmarks.md). K = 256 (two row blocks) is tested,
+    not timed."""
     NP, HV, K, W = ME.shape
     N, V = init.shape[0], W - K
     if NP != N * P or init.shape != (N, HV, K, V):
@@ -177,9 +171,9 @@ def fold_call(ME, init, *, P: int, block_v=16, block_k=128, num_warps=8, num_sta
     if V % BV or K % KB:
         raise ValueError(f"V={V} and K={K} must be multiples of block_v={BV} and block_k={KB}")
     return pl.pallas_call(
-        functools.partial(_fold_kernel, P=P, BV=BV, KB=KB, precision=_HI if interpret else precision),
+        functools.partial(_fold_kernel, P=P, BV=BV, KB=KB, precision=HIGHEST if interpret else precision),
         grid=(N, HV, V // BV),
         out_shape=jax.ShapeDtypeStruct((NP, HV, K, V), _F32),
-        compiler_params=None if interpret else params(num_warps, num_stages),
+        compiler_params=None if interpret else triton_params(num_warps, num_stages),
         interpret=interpret,
     )(ME, init.astype(_F32))

@@ -1,6 +1,8 @@
-"""Kernel C of the GPU token-parallel stage in Mosaic GPU (``plgpu.kernel``): :func:`wu_call`, the
-contract of :func:`pallas_kernels.kda._chunk.gpu_prep_call`'s Triton kernel C (W, U, kd^T and decay
-of every chunk from its inverse X); :func:`pallas_kernels.kda.chunk_kda`'s default where it applies.
+"""W, U, kd^T and the decay in Mosaic GPU (``plgpu.kernel``): :func:`wu_call`, the contract of the
+Triton kernel (:func:`pallas_kernels.kda.wy_fast_triton.wu_call`): every chunk's
+``W = X (beta k exp(G))``, ``U = X (beta v)`` from its inverse ``X = (I + N)^-1``, and
+``kd^T = (k exp(G_C - G))^T``, ``decay = exp(G_C)``; :func:`pallas_kernels.kda.chunk_kda`'s
+default where it applies.
 
 One warpgroup per item (chunk, value head), items with the heads fastest. TMA brings the chunk's
 inverse X (float32) and beta once, and k with the gate cumsum G, then v, in 32-column parts
@@ -9,11 +11,8 @@ flight while one is computed). Per part the right operand of the product with X,
 ``beta k exp(G)`` or ``beta v``, goes to shared memory transposed (a register relayout to the
 transposed WGMMA layout and a store through the transposed view), so the TF32 WGMMA
 ``X [C, C] x B [C, 32]`` reads both operands along the contraction (TF32 WGMMA takes no other
-order); kd^T goes out the same way, W and U as row tiles, all by TMA.
-
-On the H200 (2026-12-03, docs/benchmarks.md) it took 870 us at B1 T131k H12 against 1153 for the
-Triton kernel C (3.6 TB/s), 578 against 774 at T32k H32. Two input buffers per pipeline, k's and
-v's apart, took 910; four shared ones (two CTAs per SM instead of three) 920.
+order); kd^T goes out the same way, W and U as row tiles, all by TMA. One pipeline of three
+shared buffers was faster than two per input or four shared ones (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda._chunk import _exp
-from pallas_kernels.kda.prefill_mgpu import _part, _pipelined, _swizzled
+from pallas_kernels.kda.common import fast_exp
+from pallas_kernels.kda.mgpu_common import column_part, pipelined, swizzled_transforms
 
 _F32 = jnp.float32
 C = 64
@@ -51,9 +50,9 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
     rows = pl.ds(pl.multiple_of(c * C, C), C)
     lay = plgpu.Layout.WGMMA
     pin = lambda x: plgpu.layout_cast(x, lay)
-    cols = lambda x: _part(x, PART)
+    cols = lambda x: column_part(x, PART)
     st = w_ref.dtype
-    swz = lambda shape, dtype, width: plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype, width))
+    swz = lambda shape, dtype, width: plgpu.SMEM(shape, dtype, transforms=swizzled_transforms(dtype, width))
     plain = lambda shape, dtype: plgpu.SMEM(shape, dtype)
 
     def body(x_s, b_s, in_s, G_s, gl_s, bT_s, kd_s, out_s, dec_s, start, ready_k, ready_v):
@@ -101,10 +100,10 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
                 G = plgpu.load(G_s.at[slot], layout=lay)
                 k = pin(plgpu.load(in_s.at[slot], layout=lay).astype(_F32))
                 gl = plgpu.load(gl_s.at[slot], layout=lay.reduce(0))
-                kd = pin(k * _exp(pin(lax.broadcast_in_dim(gl, (C, PART), [1])) - G))
-                tile = product(pin(beta[0] * k * _exp(G)))
+                kd = pin(k * fast_exp(pin(lax.broadcast_in_dim(gl, (C, PART), [1])) - G))
+                tile = product(pin(beta[0] * k * fast_exp(G)))
                 kd_s.T[...] = plgpu.layout_cast(kd.astype(st), plgpu.Layout.WGMMA_TRANSPOSED)
-                dec_s[...] = _exp(gl)
+                dec_s[...] = fast_exp(gl)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(tile, w_ref.at[h, rows, cols(x)])
                 plgpu.copy_smem_to_gmem(kd_s, kdT_ref.at[h, c, cols(x)])
@@ -118,7 +117,7 @@ def _kernel(k_ref, v_ref, G_ref, beta_ref, x_ref, kdT_ref, w_ref, u_ref, decay_r
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(tile, u_ref.at[h, rows, cols(x - nk)])
 
-        _pipelined(nk + V // PART, SLOTS, issue, step, started)
+        pipelined(nk + V // PART, SLOTS, issue, step, started)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the writes to global memory finish on their own
 
     pl.run_scoped(body, swz((C, C), _F32, PART), plain((C,), _F32),
@@ -133,13 +132,13 @@ def wu_call(k, v, G, beta, X, *, store_dtype, interpret=False):
     """Token-major ``k [TT, H, K]``, ``v [TT, HV, V]`` (16-bit), ``G [TT, HV, K]`` float32,
     ``beta [TT, HV, 1]``, ``X [HV, TT, C]`` float32 (every chunk's inverse). Returns
     ``kd^T [HV, NC, K, C]``, ``W [HV, TT, K]``, ``U [HV, TT, V]`` in ``store_dtype`` and
-    ``decay [HV, NC, K, 1]`` float32, as the Triton kernel C."""
+    ``decay [HV, NC, K, 1]`` float32, as the Triton kernel."""
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[-1]
     if not supported(K, V, C, k.dtype, v.dtype) or TT % C:
-        raise ValueError(f"the Mosaic GPU kernel C takes chunk {C}, K and V multiples of {PART} and 16-bit k, v of "
+        raise ValueError(f"the Mosaic GPU W/U kernel takes chunk {C}, K and V multiples of {PART} and 16-bit k, v of "
                          f"one dtype; got K={K}, V={V}, {k.dtype} and {v.dtype}, {TT} tokens")
     NC = TT // C
     st = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)

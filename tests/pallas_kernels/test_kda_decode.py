@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import kda as ref
 from pallas_kernels import kda
+from pallas_kernels.kda import decode
 from tests.helpers import assert_close, kda_inputs, kernel_backends, random_state
 
 TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, random_seed=7)
@@ -117,10 +118,10 @@ def test_snapshot_baseline_matches_replay(run):
     pool = _pool(11, 6, HV, K, V)
     slots = np.array([5, -1, 0, 2], np.int32)
     n = np.array([3, 2, 0, 4], np.int32)
-    o_snap, snaps = kda.kda_verify_snapshot(pool, slots, q, k, v, g, beta, **run)
+    o_snap, snaps = decode.kda_verify_snapshot(pool, slots, q, k, v, g, beta, **run)
     o = kda.kda_verify(pool, slots, q, k, v, g, beta, **run)
     np.testing.assert_allclose(np.asarray(o_snap), np.asarray(o), rtol=1e-6, atol=1e-6)
-    by_snapshot = kda.kda_commit_snapshot(jnp.array(pool), jnp.asarray(slots), snaps, jnp.asarray(n))
+    by_snapshot = decode.kda_commit_snapshot(jnp.array(pool), jnp.asarray(slots), snaps, jnp.asarray(n))
     by_replay = kda.kda_commit(jnp.array(pool), slots, k, v, g, beta, n, **run)
     np.testing.assert_allclose(np.asarray(by_snapshot), np.asarray(by_replay), rtol=1e-5, atol=1e-5)
 

@@ -22,8 +22,9 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 
 from k3jax.ops import kda as ref
 from k3jax.ops.segments import apply_segment, segment_initial_states
-from pallas_kernels.kda import prefill, prefill_gpu
-from pallas_kernels.kda._chunk import GPU_PRECISION, _inverse_body, gate_cumsum_call
+from pallas_kernels.kda import chunk_prep_gpu, prefill, recurrence_triton, segment_plan
+from pallas_kernels.kda.common import GPU_PRECISION
+from pallas_kernels.kda.wy_fast_triton import _inverse_body
 from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state, skip_compiled_on_cpu
 
 TPU_INTERPRET = pltpu.InterpretParams(
@@ -116,7 +117,7 @@ def test_no_future_leakage_at_the_gate_bound(run, bound):
 
 @pytest.mark.parametrize("run", GPU_RUNS)
 def test_diagonal_fallback_past_the_gate_span(run):
-    """GPU kernel A forms a row's diagonal block by anchored matmuls while the row's gate span is
+    """The GPU intra-chunk kernel forms a row's diagonal block by anchored matmuls while the row's gate span is
     at most 60 nats, by exact differences past it. One channel decays 6 nats a token, so rows 11+
     of each sub-chunk fall back: exact against the recurrence, and outputs up to t0 (row 5 of its
     sub-chunk) bit-identical when later tokens change to gates that never fall back (the
@@ -155,7 +156,7 @@ def _strictly_lower_cases(seed, n=64):
 
 
 def test_inverse_kernel():
-    """The GPU inverse kernel (kernel B: the 16 x 16 diagonal blocks' inverses, then forward
+    """The GPU inverse kernel (``wy_fast_triton``: the 16 x 16 diagonal blocks' inverses, then forward
     substitution over blocks) against the float64 inverse, on :func:`_strictly_lower_cases` with
     junk (7) on and above the diagonal, which must not enter; the blocks above the diagonal come
     out exactly zero."""
@@ -194,7 +195,7 @@ def test_gate_cumsum_kernel_and_default_precisions():
     """The GPU cumsum kernel restarts every chunk; 16-bit inputs get bf16 recurrence operands
     (float32 accumulation) and TF32 stage-1 products, float32 inputs TF32x3 everywhere."""
     g = -jax.random.uniform(jax.random.key(8), (96, 3, 32), maxval=5.0)
-    G = gate_cumsum_call(g, C=32, interpret=True)
+    G = chunk_prep_gpu.gate_cumsum_call(g, C=32, interpret=True)
     assert_close(G, jnp.cumsum(g.reshape(3, 32, 3, 32), axis=1).reshape(96, 3, 32), "f32_state")
     presets = jax.lax.DotAlgorithmPreset
     assert prefill.default_precision(None, jnp.bfloat16, scan=True) == presets.BF16_BF16_F32
@@ -208,9 +209,9 @@ def test_summary_pass_skips_and_starts():
     ``M S + E`` of the full map there; skipped column blocks return their start (I, 0)."""
     T, H, K, V, C = 64, 1, 16, 32, 16
     q, k, v, g, beta = (x.reshape(T, *x.shape[2:]) for x in kda_inputs(9, 1, T, H, H, K, V))
-    prep = prefill.gpu_prep(q, k, v, g, beta[..., None], C=C, scale=K**-0.5, precision=None, interpret=True)
+    prep = chunk_prep_gpu.gpu_prep(q, k, v, g, beta[..., None], C=C, scale=K**-0.5, precision=None, interpret=True)
     vstart, vend = jnp.array([0, 2], jnp.int32), jnp.array([2, 4], jnp.int32)  # two segments of two chunks
-    run = partial(prefill_gpu.scan_call, prep, vstart=vstart, vend=vend, n_ck_slots=1, summary=True, block_v=16,
+    run = partial(recurrence_triton.scan_call, prep, vstart=vstart, vend=vend, n_ck_slots=1, summary=True, block_v=16,
                   interpret=True)
     full = run(None, ck_slot=jnp.array([[-1, 1, 1], [-1, 1, 1]], jnp.int32))
     S0 = random_state(9, (1, H, K, V))
@@ -226,7 +227,7 @@ def test_summary_pass_skips_and_starts():
 @pytest.mark.parametrize("run", GPU_RUNS)
 @pytest.mark.parametrize("P, block_k", [(2, 32), (3, 16), (6, 32), (6, 16)])
 def test_fold_kernel_matches_the_exclusive_scan(P, block_k, run):
-    """The GPU fold (``prefill_gpu.fold_call``) gives the reference exclusive scan's
+    """The GPU fold (``recurrence_triton.fold_call``) gives the reference exclusive scan's
     starts (``segment_initial_states``) from ``[M | E]`` as the summary pass leaves it: the first
     segment's E columns already run from the start; its M and the last segment's map are NaN
     here, so reading them fails the test. ``block_k = 16`` holds the state as two row blocks."""
@@ -239,12 +240,12 @@ def test_fold_kernel_matches_the_exclusive_scan(P, block_k, run):
     ME = jnp.concatenate([M, E.at[:, 0].set(apply_segment((M[:, 0], E[:, 0]), init))], axis=-1)
     ME = ME.at[:, 0, ..., :K].set(jnp.nan).at[:, -1].set(jnp.nan)
     skip_compiled_on_cpu(run)
-    got = prefill_gpu.fold_call(ME.reshape(N * P, HV, K, K + V), init, P=P, block_v=16, block_k=block_k,
+    got = recurrence_triton.fold_call(ME.reshape(N * P, HV, K, K + V), init, P=P, block_v=16, block_k=block_k,
                                 interpret=run["interpret"])
     assert got.shape == (N * P, HV, K, V)
     assert_close(got.reshape(N, P, HV, K, V), want, "f32_state")
     with pytest.raises(ValueError, match="do not match"):
-        prefill_gpu.fold_call(ME.reshape(N * P, HV, K, K + V), init, P=P + 1, interpret=True)
+        recurrence_triton.fold_call(ME.reshape(N * P, HV, K, K + V), init, P=P + 1, interpret=True)
 
 
 def test_bad_arguments_are_rejected():
@@ -266,7 +267,7 @@ def test_bad_arguments_are_rejected():
 
 
 def test_plan_segments():
-    plan = partial(prefill.plan_segments, V=128, max_chunks=2048, backend="gpu", num_cores=132)
+    plan = partial(segment_plan.plan_segments, V=128, max_chunks=2048, backend="gpu", num_cores=132)
     assert plan(1, 32) == 1  # 64 programs: heads already fill the device
     mosaic = partial(plan, recurrence="mosaic_gpu")
     assert mosaic(1, 32) == 2 and mosaic(1, 48) == 1 and mosaic(8, 32, max_chunks=64) == 1
@@ -274,21 +275,21 @@ def test_plan_segments():
     # 128 columns per CTA (84 CTAs), two at 64 (168). P = 11 takes two full waves in the recurrence
     # and one in the summary at 256 columns (120 CTAs; 228 at 128).
     assert mosaic(1, 12) == 11 and mosaic(1, 4) == 16 and mosaic(1, 4, max_chunks=64) == 4
-    cost = partial(prefill.mosaic_segment_cost, 1, 12, 128, 128, 2048, num_cores=132)
+    cost = partial(segment_plan.mosaic_segment_cost, 1, 12, 128, 128, 2048, num_cores=132)
     assert cost(5) == (1 + 1.0 * 1) * (2048 / 5 + 4) + 6 * 4 and cost(1) == 2048 + 4
     assert cost(4) == (1 + 0.75 * 1) * (512 + 4) + 6 * 3  # 120 summary CTAs at 64 columns: one wave
     assert cost(11) == (2 + 1.6 * 1) * (2048 / 11 + 4) + 6 * 10 < cost(5) < cost(4)
     # With the recurrence at 128 columns per CTA too (two warpgroups of 64): it takes the width that
     # costs fewer waves, at 1.9 of a 64-column wave.
     wide = partial(mosaic, recurrence_widths=(64, 128))
-    rec_cols = partial(prefill.recurrence_cta_cols, V=128, widths=(64, 128), num_cores=132)
+    rec_cols = partial(segment_plan.recurrence_cta_cols, V=128, widths=(64, 128), num_cores=132)
     assert wide(1, 12) == 11 and rec_cols(1, 12, P=11) == 128  # 132 CTAs against 264 (two waves)
     assert rec_cols(1, 12, P=12) == 64  # 2 waves of 144 CTAs (3.8) against 3 of 288 (3)
     assert wide(1, 32) == wide(1, 32, max_chunks=513) == 2 and rec_cols(1, 32, P=2) == 64  # one wave either way
     assert wide(8, 32, max_chunks=64) == 1 and rec_cols(8, 32, P=1) == 128  # 2 waves against 4
     assert wide(1, 4) == 16 and rec_cols(1, 4, P=16) == 64
     assert cost(11, recurrence_widths=(64, 128)) == (1.9 + 1.6) * (2048 / 11 + 4) + 6 * 10
-    cols = partial(prefill.summary_cta_cols, 1, num_cores=132)
+    cols = partial(segment_plan.summary_cta_cols, 1, num_cores=132)
     assert cols(12, 128, 128, 5) == 128 and cols(12, 128, 128, 4) == 64  # the same waves: the faster chunks
     assert cols(12, 128, 128, 11) == 256 and cols(4, 128, 128, 16) == 128  # one wave against two; one each
     assert cols(12, 128, 128, 5, block_v=32) == cols(12, 64, 128, 5) == 64  # 128 needs two warpgroups of 64, K % 128
@@ -298,7 +299,7 @@ def test_plan_segments():
     assert plan(1, 4, max_chunks=32) == 1  # too short to split
     assert plan(1, 32, summary_paid=True) == 3  # the summary runs anyway: fill the SMs
     assert plan(1, 128, summary_paid=True) == 1 and plan(1, 32, max_chunks=32, summary_paid=True) == 2
-    assert prefill.plan_segments(1, 4, 128, 2048, backend="tpu") == 1
+    assert segment_plan.plan_segments(1, 4, 128, 2048, backend="tpu") == 1
 
 
 def _export(backend, platform, device, K=128, V=128, **kw):
@@ -318,7 +319,7 @@ def test_kernels_lower_for_tpu_and_gpu():
     """Mosaic accepts the TPU kernels and the Triton lowering accepts the GPU kernels (incl. the
     segment summary pass, the fold and both stage-1 kernels) at serving shapes: bf16, K = V = 128, GVA;
     and both at K = V = 256 (where the GPU recurrence falls back to Triton: the Mosaic GPU one
-    takes K <= 128; stage 1's kernel C is Mosaic GPU's for these bf16 inputs)."""
+    takes K <= 128; stage 1's W/U kernel is Mosaic GPU's for these bf16 inputs)."""
     tpu = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     assert _export("tpu", "tpu", tpu).count("tpu_custom_call") >= 2
     assert _export("tpu", "tpu", tpu, K=256, V=256).count("tpu_custom_call") >= 2

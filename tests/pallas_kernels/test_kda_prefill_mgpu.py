@@ -1,8 +1,9 @@
-"""The Mosaic GPU prefill kernels: the recurrent stage (``pallas_kernels.kda.prefill_mgpu``) and
-stage 1's kernel A for bounded gates (``pallas_kernels.kda.prep_mgpu``).
+"""The Mosaic GPU prefill kernels: the recurrent stage (``pallas_kernels.kda.recurrence_mgpu``) and
+stage 1's intra-chunk products (``pallas_kernels.kda.chunk_intra_mgpu``) and W, U
+(``pallas_kernels.kda.wy_fast_mgpu``).
 
 CPU: the kernels in the Mosaic GPU interpreter (race detection on, uninitialised shared memory
-NaN): the recurrence against a NumPy replay of the same recurrence with bf16 operands, kernel A
+NaN): the recurrence against a NumPy replay of the same recurrence with bf16 operands, the intra-chunk kernel
 against float64 products; both through ``chunk_kda`` against the k3jax references; the
 lowering is checked with ``jax.export`` for an abstract H200. ``-m gpu`` on a GPU runs the same
 checks compiled.
@@ -20,8 +21,10 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_i
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax.ops import kda as ref
-from pallas_kernels.kda import prefill, prefill_gpu, prefill_mgpu, prep_mgpu, wu_mgpu
-from pallas_kernels.kda._chunk import SUB, gate_cumsum_call
+from pallas_kernels.kda import (chunk_intra_mgpu, chunk_prep_gpu, prefill, recurrence_mgpu, recurrence_triton, segment_plan,
+                                wy_fast_mgpu)
+from pallas_kernels.kda.chunk_prep_gpu import gate_cumsum_call
+from pallas_kernels.kda.common import SUB
 from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
 from tests.pallas_kernels.test_kda_prefill import H200, _export
 
@@ -94,7 +97,7 @@ def test_recurrence_matches_the_bf16_operand_replay(block_v, cta_cols, out_dtype
     vstart, vend = np.array([0, 1, 1], np.int32), np.array([1, 1, 5], np.int32)
     ck_slot = np.array([0, -1, 1, -1, -1], np.int32)
     init = random_state(0, (3, HV, K, V))
-    got = prefill_mgpu.scan_call(prep, init, jnp.asarray(vstart), jnp.asarray(vend), jnp.asarray(ck_slot),
+    got = recurrence_mgpu.scan_call(prep, init, jnp.asarray(vstart), jnp.asarray(vend), jnp.asarray(ck_slot),
                                  n_ck_slots=2, out_dtype=out_dtype, block_v=block_v, cta_cols=cta_cols,
                                  interpret=interpret)
     _no_race(interpret)
@@ -124,10 +127,10 @@ def test_summary_mode_matches_the_triton_kernel(block_v, cta_cols, interpret):
     got = []
     for skips_m, table in enumerate(([[-1, 1, 1], [-1, 1, 1]], [[1, 0, 1], [-1, 0, 0]])):
         table = jnp.array(table, jnp.int32)
-        got.append(np.asarray(prefill_mgpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True,
+        got.append(np.asarray(recurrence_mgpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True,
                                                      block_v=block_v, cta_cols=cta_cols, interpret=interpret)))
         _no_race(interpret)
-        want = prefill_gpu.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=64,
+        want = recurrence_triton.scan_call(prep, S0, vstart, vend, table, n_ck_slots=1, summary=True, block_v=64,
                                      interpret=True)
         if skips_m and cta_cols == Kt + V:  # Triton skips segment 0's M columns; this CTA runs them
             want = want.at[0, :, :, :Kt].set(got[0][0, :, :, :Kt])
@@ -164,9 +167,9 @@ def test_chunk_kda_with_the_wide_summary(gpu_run, monkeypatch):
     128, 3 segments, GVA, initial states, checkpoints), chosen by the planner when their CTAs take
     fewer waves (one SM here makes every CTA a wave); against the references within bf16
     tolerance."""
-    monkeypatch.setattr(prefill, "gpu_core_count", lambda: 1)
-    assert prefill.summary_cta_cols(1, 2, 128, 128, 3) == 128
-    assert prefill.recurrence_cta_cols(1, 2, 128, 3, prefill_mgpu.recurrence_widths(128, 128, 64, jnp.bfloat16)) == 128
+    monkeypatch.setattr(segment_plan, "gpu_core_count", lambda: 1)
+    assert segment_plan.summary_cta_cols(1, 2, 128, 128, 3) == 128
+    assert segment_plan.recurrence_cta_cols(1, 2, 128, 3, recurrence_mgpu.recurrence_widths(128, 128, 64, jnp.bfloat16)) == 128
     x = kda_inputs(6, 1, 320, 1, 2, 128, 128, lower_bound=-5.0, dtype=jnp.bfloat16)
     x = (*x[:3], 0.02 * x[3], x[4])  # slow decay: what enters each segment matters at its end
     cu, h0 = jnp.array([0, 320], jnp.int32), random_state(6, (1, 2, 128, 128))
@@ -211,15 +214,15 @@ def _exact_products(q, k, G, beta, scale, rep):
 
 @pytest.mark.parametrize("part, wgs", [(None, None), (16, 3)], ids=["default", "three-warpgroups-per-cta"])
 def test_kernel_a_matches_exact_products(part, wgs, interpret, monkeypatch):
-    """The Mosaic GPU kernel A at the gate bound (most gates near -5: spans up to 75 nats per
+    """The Mosaic GPU intra-chunk kernel at the gate bound (most gates near -5: spans up to 75 nats per
     sub-chunk, 320 per chunk), GVA, K = 128 (parts of K): Aqk, N (diagonal blocks included)
     and qg against float64 (interpreter: float32 products; compiled: TF32); rows never read later
     tokens (the inputs of the second chunk's row 31, the last row of a sub-chunk, changed: every
     earlier row bit for bit the same). Its four items (chunk, head) one per CTA, or three per CTA
     in 16-column parts (the second CTA's two spare warpgroups store nothing)."""
     if part:
-        monkeypatch.setattr(prep_mgpu, "PART", part)
-        monkeypatch.setattr(prep_mgpu, "WGS", wgs)
+        monkeypatch.setattr(chunk_intra_mgpu, "PART", part)
+        monkeypatch.setattr(chunk_intra_mgpu, "WGS", wgs)
     TT, H, HV_, K_ = 2 * C, 1, 2, 128
     q, k, _, g, beta = (x[0] for x in kda_inputs(9, 1, TT, H, HV_, K_, K_, lower_bound=-5.0, dtype=jnp.bfloat16,
                                                  gate_scale=4.0))
@@ -227,7 +230,7 @@ def test_kernel_a_matches_exact_products(part, wgs, interpret, monkeypatch):
     assert float(g.min()) < -4.99
     G = jnp.cumsum(g.reshape(2, C, HV_, K_), axis=1).reshape(TT, HV_, K_)
     scale = K_**-0.5
-    run = partial(prep_mgpu.rows_call, scale=scale, store_dtype=jnp.float32, interpret=interpret)
+    run = partial(chunk_intra_mgpu.rows_call, scale=scale, store_dtype=jnp.float32, interpret=interpret)
     qg, aqk, n = run(q, k, G, beta)
     _no_race(interpret)
     aqk_r, n_r = _exact_products(q, k, G, beta, scale, HV_ // H)
@@ -244,7 +247,7 @@ def test_kernel_a_matches_exact_products(part, wgs, interpret, monkeypatch):
 
 
 def test_kernel_c_matches_exact_products(interpret):
-    """The Mosaic GPU kernel C at the gate bound (spans up to 320 nats per chunk), GVA, K = 128 and
+    """The Mosaic GPU W/U kernel at the gate bound (spans up to 320 nats per chunk), GVA, K = 128 and
     V = 64 (four and two parts), a random lower-triangular X per chunk: W, U, kd^T and decay
     against float64 (interpreter: float32 products; compiled: TF32), with no race."""
     TT, H, HV_, K_, V_ = 2 * C, 1, 2, 128, 64
@@ -253,7 +256,7 @@ def test_kernel_c_matches_exact_products(interpret):
     beta = beta[..., None].astype(jnp.float32)
     G = jnp.cumsum(g.reshape(2, C, HV_, K_), axis=1).reshape(TT, HV_, K_)
     X = jnp.tril(jax.random.normal(jax.random.key(3), (HV_, 2, C, C))).reshape(HV_, TT, C)
-    kdT, W, U, decay = wu_mgpu.wu_call(k, v, G, beta, X, store_dtype=jnp.float32, interpret=interpret)
+    kdT, W, U, decay = wy_fast_mgpu.wu_call(k, v, G, beta, X, store_dtype=jnp.float32, interpret=interpret)
     _no_race(interpret)
     f64 = lambda x: np.asarray(x, np.float64)
     kk, vv, GG, bb, XX = f64(k)[:, [0, 0]], f64(v), f64(G), f64(beta), f64(X)
@@ -287,7 +290,7 @@ def test_the_cumsum_kernel_flags_wide_sub_chunks(gpu_run):
     g = jnp.zeros((128, 2, 64), jnp.float32).at[17:32, 1, 5].set(-5.0)  # rows 16..31: G 0 to -75
 
     def wide(g):
-        G, flags = gate_cumsum_call(g, C=64, span=prep_mgpu.SPAN, interpret=gpu_run["interpret"])
+        G, flags = gate_cumsum_call(g, C=64, span=chunk_intra_mgpu.SPAN, interpret=gpu_run["interpret"])
         assert bool(jnp.array_equal(G, gate_cumsum_call(g, C=64, interpret=gpu_run["interpret"]), equal_nan=True))
         return flags.tolist()
 
@@ -301,7 +304,7 @@ def test_the_cumsum_kernel_flags_wide_sub_chunks(gpu_run):
 def test_mosaic_kernel_a_for_unbounded_gates(gpu_run):
     """``prep_kernel="mosaic_gpu"`` (the default) without ``gate_lower_bound``, Kimi Linear gates
     below -5: where every sub-chunk spans at most 75 nats, the bits of the call that promises the
-    bound (which only drops the check); with one chunk far steeper (the Triton kernel A redoes it),
+    bound (which only drops the check); with one chunk far steeper (the Triton intra-chunk kernel redoes it),
     within bf16 tolerance of the references, as the first (varlen, GVA, initial states,
     checkpoints, 2 segments). It lowers for the H200 with both kernels A in the program."""
     cu = jnp.array([0, 60, 160], jnp.int32)
@@ -323,14 +326,14 @@ def test_mosaic_kernel_a_for_unbounded_gates(gpu_run):
 
 
 def test_steep_chunks_take_the_triton_kernel_a(gpu_run):
-    """Stage 1 with the Mosaic GPU kernel A and unbounded gates, chunk by chunk: the chunks whose
+    """Stage 1 with the Mosaic GPU intra-chunk kernel and unbounded gates, chunk by chunk: the chunks whose
     sub-chunks all span at most 75 nats get the bits of the unchecked Mosaic run, the steep one
-    (flagged by the cumsum kernel, in both heads) those of the Triton kernel A; all six outputs."""
+    (flagged by the cumsum kernel, in both heads) those of the Triton intra-chunk kernel; all six outputs."""
     q, k, v, g, beta = (x[0] for x in kda_inputs(11, 1, 3 * C, 1, HV, K, K, dtype=jnp.bfloat16))
     g = g.at[C:2 * C].multiply(100.0)
     interpret = gpu_run["interpret"]
-    assert gate_cumsum_call(g, C=C, span=prep_mgpu.SPAN, interpret=interpret)[1].tolist() == [[0, 1, 0]] * HV
-    run = partial(prefill.gpu_prep, q, k, v, g, beta[..., None], C=C, scale=K ** -0.5,
+    assert gate_cumsum_call(g, C=C, span=chunk_intra_mgpu.SPAN, interpret=interpret)[1].tolist() == [[0, 1, 0]] * HV
+    run = partial(chunk_prep_gpu.gpu_prep, q, k, v, g, beta[..., None], C=C, scale=K ** -0.5,
                   precision=prefill.default_precision(None, jnp.bfloat16), store_dtype=jnp.bfloat16,
                   interpret=interpret)
     for got, fast, exact in zip(run(kernel="mosaic_gpu"), run(kernel="mosaic_gpu", bounded=True), run()):
@@ -341,9 +344,9 @@ def test_steep_chunks_take_the_triton_kernel_a(gpu_run):
 
 @pytest.mark.slow  # the heaviest interpret-mode cases (about 40 and 25 s on CI); compiled under -m gpu
 def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
-    """``chunk_kda(wu_kernel="mosaic_gpu")`` beside the Mosaic GPU kernel A, at the gate bound:
+    """``chunk_kda(wu_kernel="mosaic_gpu")`` beside the Mosaic GPU intra-chunk kernel, at the gate bound:
     varlen, GVA, initial states, 64-token checkpoints, 2 segments; against the references within
-    bf16 tolerance. The default where it applies (16-bit k and v of one dtype), Triton's kernel C
+    bf16 tolerance. The default where it applies (16-bit k and v of one dtype), Triton's W/U kernel
     otherwise or when asked; it lowers for the H200 at a serving shape (K = V = 128), and is
     refused where it does not apply."""
     x = kda_inputs(8, 1, 228, 1, 2, 64, 64, lower_bound=-5.0, dtype=jnp.bfloat16, gate_scale=4.0)
@@ -353,13 +356,13 @@ def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
     for kernel, mosaic in ((None, 4), ("mosaic_gpu", 4), ("triton", 3)):
         module = _export("gpu", "cuda", H200, gate_lower_bound=-5.0, wu_kernel=kernel)
         assert module.count("mosaic_gpu_v2") == mosaic and module.count("xla.gpu.triton") == 7 - mosaic
-    f32_v = (*x[:2], x[2].astype(jnp.float32), *x[3:])  # k bf16, v float32: Triton's kernel C by default
+    f32_v = (*x[:2], x[2].astype(jnp.float32), *x[3:])  # k bf16, v float32: Triton's W/U kernel by default
     o, _ = prefill.chunk_kda(*f32_v, backend="gpu", interpret=True, gate_lower_bound=-5.0)
     assert o.shape == x[2].shape
     with pytest.raises(ValueError, match="wu_kernel must be"):
         prefill.chunk_kda(*x, backend="gpu", wu_kernel="mosaic")
     for bad in (tuple(a.astype(jnp.float32) for a in x), f32_v):
-        with pytest.raises(ValueError, match="kernel C runs on the GPU backend"):
+        with pytest.raises(ValueError, match="wu_kernel='mosaic_gpu' \\(W and U\\) runs on the GPU backend"):
             prefill.chunk_kda(*bad, backend="gpu", wu_kernel="mosaic_gpu")
 
 
@@ -367,9 +370,9 @@ def test_the_mosaic_recurrence_lowers_for_the_h200():
     """jax.export for an abstract H200: the summary pass, the recurrence and stage 1's kernels A
     and C as Mosaic GPU kernels at a serving shape (bf16, K = V = 128, GVA, 2 segments), the
     cumsum, inverse and fold kernels on Triton; the default picks them there. Without
-    ``gate_lower_bound`` the Triton kernel A is in the program too (for gates too steep for the
+    ``gate_lower_bound`` the Triton intra-chunk kernel is in the program too (for gates too steep for the
     Mosaic one). The recurrence is Triton's where it does not apply (float32 intermediates) or
-    where a Triton ``block_v`` is given; kernel A Triton's when asked."""
+    where a Triton ``block_v`` is given; the intra-chunk kernel Triton's when asked."""
     for module in (_export("gpu", "cuda", H200, recurrence="mosaic_gpu"), _export("gpu", "cuda", H200)):
         assert module.count("mosaic_gpu_v2") == 4 and module.count("xla.gpu.triton") == 4
     for kw in (dict(intermediate_dtype=jnp.float32), dict(block_v=64)):
@@ -403,11 +406,11 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="block_v must be 32 or 64"):
         run(recurrence="mosaic_gpu", block_v=128)
     with pytest.raises(ValueError, match="takes bf16 intermediates"):
-        prefill_mgpu.scan_call(f32_prep, None, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
+        recurrence_mgpu.scan_call(f32_prep, None, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
                                jnp.zeros(NC, jnp.int32), n_ck_slots=1)
     bounds = (jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.zeros((1, 3), jnp.int32))
     for kw in (dict(summary=True), dict(summary=True, K=128, block_v=32), dict(K=128, out_dtype=jnp.float32),
                dict(K=128, block_v=32, out_dtype=jnp.bfloat16), dict(cta_cols=256, K=128)):
         K_ = kw.pop("K", K)
         with pytest.raises(ValueError, match="cta_cols is one of"):
-            prefill_mgpu.scan_call(_prep(2, K_), None, *bounds, n_ck_slots=1, **{"cta_cols": 128, **kw})
+            recurrence_mgpu.scan_call(_prep(2, K_), None, *bounds, n_ck_slots=1, **{"cta_cols": 128, **kw})

@@ -1,0 +1,29 @@
+"""What the GPU kernels (prefill and decode) share: the device's SM count, programs per grid, the
+head sizes they take, and the Triton compiler parameters."""
+
+from __future__ import annotations
+
+import jax
+
+
+def gpu_programs(rows, num_heads, V, block_v):
+    """Programs of a GPU kernel with one per (row, head, column block): the recurrent kernel per
+    segment (rows = sequences) and the decode window kernels (rows = batch rows)."""
+    return rows * num_heads * max(V // block_v, 1)
+
+
+def gpu_core_count() -> int:
+    """Streaming multiprocessors of the default device (132 on the H200 when it does not say)."""
+    return getattr(jax.devices()[0], "core_count", 132)
+
+
+def gpu_head_dims_ok(*dims) -> bool:
+    """Whether the GPU kernels take these head sizes (powers of two >= 16)."""
+    return all(d >= 16 and not d & (d - 1) for d in dims)
+
+
+def triton_params(num_warps, num_stages):
+    """Compiler parameters of a Pallas Triton kernel."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -140,19 +140,20 @@ class PrefixCache:
         self.cfg = config
         self.pool = pool
         pool.on_evict = self._on_evict
-        self.step = 0
+        self.step = 0  # the step being planned: its registrations and copy pins carry this number
+        self.landed = 0  # steps whose device work has finished (registrations of steps < landed are visible)
         self._mla_index: dict[int, tuple[Unit, int]] = {}  # hash -> (unit, step registered)
         self._ckpt_index: dict[int, tuple[Unit, int]] = {}
         self._unit_of: dict[int, Unit] = {}  # registered page -> unit
         self._reqs: dict[object, _Request] = {}
-        self._step_pins: list[Unit] = []  # copy sources pinned until the step lands
+        self._step_pins: dict[int, list[Unit]] = {}  # step -> copy sources pinned until it lands
         self._num_ckpts = 0
         self.metrics = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "lost_tokens": 0, "checkpoints_written": 0}
 
     # ---- lookup
     def _visible(self, index, key):
         e = index.get(key)
-        return e[0] if e is not None and e[1] < self.step else None
+        return e[0] if e is not None and e[1] < self.landed else None
 
     def lookup(self, hashes: list[int]) -> Hit:
         """Two-stage lookup: MLA (full blocks, then endpoints inside the first incomplete block),
@@ -248,7 +249,7 @@ class PrefixCache:
                 self._unpin(u)
             raise
         # Copy sources stay pinned until the copies land (end_step); shared blocks until finish.
-        self._step_pins += [u for u in (hit.partial_block, hit.checkpoint) if u is not None]
+        self._step_pins.setdefault(self.step, []).extend(u for u in (hit.partial_block, hit.checkpoint) if u is not None)
         keep = set()
         if "junction" in self.cfg.policy_parts and hit.mla_tokens > hit.tokens:
             keep.add(hit.mla_tokens // H)
@@ -342,7 +343,7 @@ class PrefixCache:
         for u in req.ckpts.values():
             self._drop(u)
         for u in req.owned_blocks.values():
-            if any(self._mla_index.get(k, (None, -1))[1] >= self.step for k in u.keys):
+            if any(self._mla_index.get(k, (None, -1))[1] >= self.landed for k in u.keys):
                 self._unregister(u)
         self._release_blocks(req)
 
@@ -354,13 +355,18 @@ class PrefixCache:
         for p in req.slot:
             self.pool.decref(p)
 
-    def end_step(self):
-        """The device work of this step has landed: its registrations become matchable (rule 2)
-        and copy sources are unpinned."""
+    def begin_step(self):
+        """The step being planned was dispatched; what is planned next belongs to the next step
+        (an engine that plans step N + 1 before step N has landed calls this after each plan)."""
         self.step += 1
-        for u in self._step_pins:
+
+    def end_step(self):
+        """The oldest step in flight has landed: its registrations become matchable (rule 2) and
+        its copy sources are unpinned. A synchronous engine calls only this, once per step."""
+        for u in self._step_pins.pop(self.landed, []):
             self._unpin(u)
-        self._step_pins = []
+        self.landed += 1
+        self.step = max(self.step, self.landed)
 
     # ---- registration and eviction
     def _register(self, index, unit: Unit, key: int):

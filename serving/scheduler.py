@@ -43,6 +43,7 @@ class Request:
     hashes: list[int] = field(default_factory=list)  # chain hashes of the complete hash blocks of tokens
     restore: tuple[int, tuple[int, int] | None] | None = None  # a hit's (checkpoint, page copy), for its first row
     cache_tokens: int = 0  # tokens the prefix cache has given pages for
+    pending: int = 0  # tokens sampled by dispatched steps, not yet read back (the step feeds them on)
     aborted: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     result: object = None
@@ -207,8 +208,11 @@ class Scheduler:
                 break
             if r.rid in self._preempted_now:
                 continue
-            if r.out and r.done == len(r.tokens) - 1 and (ck := self._grow(r, r.done + 1)) is not None:
-                rows.append((True, self._row(r, r.tokens[-1:], ck), r, True))
+            if not self._decodes(r):
+                continue
+            if (ck := self._grow(r, r.done + 1)) is not None:
+                # A token still on the device is fed from there (-1): the step reads its slot's last sample.
+                rows.append((True, self._row(r, [-1] if r.pending else r.tokens[-1:], ck), r, True))
         budget = self.budget - len(rows)
         n_prefill = 0
         for r in self._prefill_candidates():
@@ -231,8 +235,17 @@ class Scheduler:
             n_prefill += 1
         # A request preempted while this step was planned has no pages now: its rows go.
         rows = [x for x in rows if x[2].rid not in self._preempted_now]
+        if self.cache is not None:
+            self.cache.begin_step()
         return StepPlan([x[1] for x in rows if x[0]], [x[1] for x in rows if not x[0]], [x[2] for x in rows],
                         [x[3] for x in rows])
+
+    @staticmethod
+    def _decodes(r: Request) -> bool:
+        """``r``'s prompt is in the cache and its last sampled token is next (known or in flight),
+        and it may still produce a token."""
+        return ((r.out or r.pending) and r.done == len(r.tokens) + r.pending - 1
+                and len(r.out) + r.pending < r.sp.max_tokens)
 
     def _requeue(self, r: Request):
         if r not in self.running:
@@ -247,7 +260,7 @@ class Scheduler:
                 yield r
         while True:
             with self._lock:
-                if not self.waiting or self.waiting[0].rid in self._preempted_now:
+                if not self.waiting or self.waiting[0].rid in self._preempted_now or self.waiting[0].pending:
                     return
                 r = self.waiting.popleft()
             yield r
@@ -260,6 +273,8 @@ class Scheduler:
                    temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=r.seed)
 
     def advance(self, plan: StepPlan):
-        """The step ran: every planned row's tokens are in the cache."""
-        for row, r in zip(plan.decode + plan.prefill, plan.requests):
+        """The step was dispatched: every planned row's tokens are (about to be) in the cache and
+        every kept row's sample is pending until it is read back."""
+        for row, r, keep in zip(plan.decode + plan.prefill, plan.requests, plan.keep):
             r.done = row.start + len(row.tokens)
+            r.pending += keep

@@ -2,8 +2,7 @@
 step per bucket, compiled at start-up) under :class:`serving.scheduler.Scheduler` (host: one
 token budget per step, pages, preemption).
 
-Not yet here (issue 52): speculative decoding on the step, dispatching step N + 1 before reading
-step N's tokens. :class:`serving.engine.Engine` remains the
+Not yet here (issue 52): speculative decoding on the step. :class:`serving.engine.Engine` remains the
 server's engine until they are.
 """
 
@@ -12,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ import numpy as np
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import StepKernels, jit_step, pack_batch, prepare_params
+from k3jax.model.step import StepKernels, model_step, pack_batch, prepare_params
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -59,6 +59,20 @@ def use_compile_cache(path: str):
         jax.config.update("jax_compilation_cache_dir", path)
 
 
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("num_logprobs",), donate_argnums=(5, 6))
+def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, batch, *, num_logprobs):
+    """:func:`k3jax.model.step.model_step` whose decode rows may take their token from the device:
+    token -1 reads ``last[state_slot]``, the last token sampled for that slot; every live row's
+    sample is stored there. So step N + 1 can be dispatched before step N's tokens are read."""
+    if num_decode:
+        dec = batch.tokens[:num_decode]
+        fed = jnp.where(dec < 0, last[jnp.maximum(batch.state_slot[:num_decode], 0)], dec)
+        batch = batch._replace(tokens=batch.tokens.at[:num_decode].set(fed))
+    out, pool = model_step(cfg, lay, kernels, num_decode, params, pool, batch, num_logprobs=num_logprobs)
+    slots = jnp.where(batch.state_slot >= 0, batch.state_slot, last.shape[0])
+    return out, pool, last.at[slots].set(out.tokens, mode="drop")
+
+
 class Runner:
     """Device side: params, the page pool ``u32[num_pages, page_words]`` and one compiled step per
     (decode rows, prefill tokens) bucket. ``run`` packs a plan into its bucket, runs the step
@@ -74,6 +88,7 @@ class Runner:
         if not self.decode_buckets or not self.prefill_buckets:
             raise ValueError("decode_buckets and prefill_buckets must not be empty")
         self.pool = lay.allocate(num_pages)
+        self.last = jnp.zeros(num_pages, jnp.int32)  # the last token sampled into each state slot
         self.compiled: set[tuple[int, int]] = set()
         self.compiles_while_serving = 0
 
@@ -85,8 +100,8 @@ class Runner:
         batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd + tp,
                            num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
                            num_pages=self.num_pages)
-        out, self.pool = jit_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, batch,
-                                  num_logprobs=self.num_logprobs)
+        out, self.pool, self.last = _fed_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, self.last,
+                                              batch, num_logprobs=self.num_logprobs)
         return out
 
     def warmup(self):
@@ -99,17 +114,23 @@ class Runner:
             log.info("compiled step %d/%d (decode rows %d, prefill tokens %d) in %.1fs", i + 1, len(keys), nd, tp,
                      time.perf_counter() - t0)
 
-    def run(self, plan: StepPlan, logprobs: bool = False):
-        """``(tokens i32[rows], logprobs)`` of the planned rows in plan order; ``logprobs`` is
-        ``(logprob f32[rows], top_ids i32[rows, n], top_logprobs f32[rows, n])`` when asked, else
-        None (only the tokens come back from the device)."""
+    def dispatch(self, plan: StepPlan):
+        """Start the step for ``plan`` (JAX dispatches asynchronously) and return a handle for
+        :meth:`fetch`. A decode row's token -1 is read on the device from its slot's last sample."""
         nd, tp = self.bucket(len(plan.decode), sum(len(r.tokens) for r in plan.prefill))
         if (nd, tp) not in self.compiled:
             self.compiles_while_serving += 1
             self.compiled.add((nd, tp))
             log.warning("compiling step (decode rows %d, prefill tokens %d) while serving", nd, tp)
         out = self._call(nd, tp, plan.decode, plan.prefill)
-        rows = np.array(list(range(len(plan.decode))) + [nd + i for i in range(len(plan.prefill))], np.int32)
+        return out, np.array(list(range(len(plan.decode))) + [nd + i for i in range(len(plan.prefill))], np.int32)
+
+    @staticmethod
+    def fetch(handle, logprobs: bool = False):
+        """Wait for a dispatched step: ``(tokens i32[rows], logprobs)`` of its planned rows in plan
+        order; ``logprobs`` is ``(logprob f32[rows], top_ids i32[rows, n], top_logprobs f32[rows, n])``
+        when asked, else None (only the tokens come back from the device)."""
+        out, rows = handle
         lps = None
         if logprobs:
             lps = tuple(np.asarray(x)[rows] for x in (out.logprob, out.top_ids, out.top_logprobs))
@@ -130,6 +151,8 @@ class StepEngine(EngineBase):
         for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
         a KDA state page allows, a multiple of the hash block).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
+      async_dispatch: dispatch step N + 1 before reading step N's tokens (decode rows take their
+        token from the device), so the host's work overlaps the device's.
       compile_cache: directory of JAX's persistent compilation cache (None: leave JAX's setting;
         default ``$K3JAX_COMPILE_CACHE`` or ``~/.cache/k3jax/xla``), so a restart compiles nothing.
     """
@@ -138,7 +161,8 @@ class StepEngine(EngineBase):
                  token_budget: int = 512, max_prefill_rows: int = 4, max_chunk: int | None = None,
                  prefix_cache: bool = True, hash_tokens: int = 512, num_pages: int | None = None,
                  page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
-                 kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE):
+                 kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE,
+                 async_dispatch: bool = True):
         if compile_cache:
             use_compile_cache(compile_cache)
         self.cfg, ref = load_model(model, seed)
@@ -174,6 +198,8 @@ class StepEngine(EngineBase):
         self.sched = self._scheduler()
         self._rng = np.random.default_rng(seed)
         self._live: dict[int, Request] = {}
+        self.async_dispatch = async_dispatch
+        self._inflight = None  # (plan, handle, logprobs wanted, dispatch time) of the step not yet read back
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
                         "generation_tokens": 0, "cached_tokens": 0, "steps": 0, "step_tokens": 0, "step_time_s": 0.0,
                         "ttft_sum_s": 0.0}
@@ -203,42 +229,65 @@ class StepEngine(EngineBase):
         return req
 
     def has_work(self) -> bool:
-        return self.sched.has_work()
+        return self.sched.has_work() or self._inflight is not None
 
     def step(self):
-        """Plan, run one step, emit the kept tokens, finish what is done."""
+        """Plan and dispatch a step, then read back the previous one (with ``async_dispatch``: the
+        device runs step N + 1 while the host emits step N's tokens; else this step's), emit the
+        kept tokens and finish what is done."""
         for r in [r for r in self.sched.running if r.aborted]:
             self._finish(r, "abort")
         for r in self.sched.take_aborted_waiting():
             self._complete(r, "abort")
         plan = self.sched.plan()
-        if not plan.requests:
-            return
-        t0 = time.perf_counter()
-        tokens, lps = self.runner.run(plan, logprobs=any(r.sp.logprobs is not None for r in plan.requests))
+        launched = None
+        if plan.requests:
+            want_lp = any(r.sp.logprobs is not None for r in plan.requests)
+            launched = (plan, self.runner.dispatch(plan), want_lp, time.perf_counter())
+            self.sched.advance(plan)
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            self._land(*previous)
+        if launched is not None and not self.async_dispatch:
+            self._inflight = None
+            self._land(*launched)
+
+    def _land(self, plan, handle, want_lp: bool, t0: float):
+        """Read a dispatched step's tokens, emit the kept ones (a request finished meanwhile drops
+        its extra token), and make what it wrote matchable in the prefix cache."""
+        tokens, lps = self.runner.fetch(handle, want_lp)
         self.metrics["steps"] += 1
         self.metrics["step_tokens"] += len(plan.decode) + sum(len(r.tokens) for r in plan.prefill)
         self.metrics["step_time_s"] += time.perf_counter() - t0
-        self.sched.advance(plan)
         for i, (r, keep, tok) in enumerate(zip(plan.requests, plan.keep, tokens)):
-            if keep:
-                self.metrics["cached_tokens"] += r.cached if not r.out else 0
-                k = r.sp.logprobs
-                lp = None if k is None else (float(lps[0][i]), [(int(t), float(x)) for t, x in
-                                                                 zip(lps[1][i, :k], lps[2][i, :k])])
-                self._emit_token(r, int(tok), lp)
+            if not keep:
+                continue
+            r.pending -= 1
+            if r.rid not in self._live:
+                continue
+            self.metrics["cached_tokens"] += r.cached if not r.out else 0
+            k = r.sp.logprobs
+            lp = None if k is None else (float(lps[0][i]), [(int(t), float(x)) for t, x in
+                                                             zip(lps[1][i, :k], lps[2][i, :k])])
+            self._emit_token(r, int(tok), lp)
         self.sched.landed()
 
     def fail_running(self, exc: BaseException) -> list:
+        self._inflight = None  # its tokens are lost with the failed step; waiting requests recompute
+        for r in list(self._live.values()):
+            r.pending = 0
         failed = super().fail_running(exc)
-        if self.runner.pool.is_deleted():  # the failed step consumed the donated pool: start afresh
+        if self.runner.pool.is_deleted() or self.runner.last.is_deleted():
             log.error("the page pool was lost with the failed step: the prefix cache starts empty")
             self.runner.pool = self.runner.lay.allocate(self.runner.num_pages)
+            self.runner.last = jnp.zeros(self.runner.num_pages, jnp.int32)
             self.sched = self._scheduler()  # the waiting requests move over in order
             for r in self._live.values():
                 self.sched.add(r)
-        else:
-            self.sched.landed()
+        elif self.sched.cache is not None:
+            cache = self.sched.cache
+            while cache.landed < cache.step:
+                cache.end_step()
         return failed
 
     def _finish(self, r: Request, reason: str):

@@ -61,10 +61,10 @@ def test_greedy_equals_forward_and_nothing_compiles_after_warmup(engine, greedy_
     assert engine.sched.pool.num_used == 0 and not engine.has_work()
 
 
-@pytest.mark.parametrize("budget", [16, 256])
-def test_token_budgets_give_the_same_tokens(budget, greedy_reference):
+@pytest.mark.parametrize("budget,async_dispatch", [(16, True), (256, False)])
+def test_token_budgets_give_the_same_tokens(budget, async_dispatch, greedy_reference):
     e = _engine(token_budget=budget, max_chunk=min(budget, 64), prefill_buckets=(min(budget, 64) * 2,),
-                max_len=128)
+                max_len=128, async_dispatch=async_dispatch)
     assert [r.token_ids for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)] == greedy_reference
 
 
@@ -177,3 +177,16 @@ def test_logprobs_match_the_logits_and_failed_steps_free_everything(engine):
     assert failed == [r] and r.result.finish_reason.startswith("error:") and "boom" in r.result.finish_reason
     assert engine.sched.pool.num_used == 0 and engine.stats()["running"] == 0
     assert engine.generate(PROMPTS[2:3], max_tokens=2)[0].finish_reason == "length"
+
+
+def test_async_dispatch_runs_one_step_ahead(engine, greedy_reference):
+    """Step N + 1 is dispatched (its decode row fed the token step N sampled, on the device) before
+    step N's token is read back; the tokens equal the reference's."""
+    r = engine.submit(PROMPTS[3], SamplingParams(max_tokens=MAX_TOKENS))
+    engine.step()  # the prefill is dispatched, its token not read
+    assert r.out == [] and r.pending == 1
+    engine.step()  # the first decode is dispatched, then the prefill's token is read
+    assert len(r.out) == 1 and r.pending == 1
+    while engine.has_work():
+        engine.step()
+    assert r.result.token_ids == greedy_reference[3] and r.pending == 0

@@ -54,10 +54,21 @@ class Request:
         return self.prompt + self.out
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.out)
+
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """``tokens[a:b]`` without building ``tokens`` (prompts are long, steps are many)."""
+        n = len(self.prompt)
+        if b <= n:
+            return self.prompt[a:b]
+        return self.prompt[a:n] + self.out[max(a - n, 0) : b - n] if a < n else self.out[a - n : b - n]
+
+    @property
     def prefill_end(self) -> int:
         """Tokens to prefill before decoding: the prompt, or after a preemption everything but
         the last sampled token (which the next decode row feeds)."""
-        return len(self.tokens) - (1 if self.out else 0)
+        return self.num_tokens - (1 if self.out else 0)
 
 
 @dataclass
@@ -142,9 +153,9 @@ class Scheduler:
         return True
 
     def _hash(self, r: Request):
-        full = len(r.tokens) // self.H
+        full = r.num_tokens // self.H
         if len(r.hashes) < full:
-            r.hashes += chain_hashes(r.tokens[len(r.hashes) * self.H : full * self.H], self.H,
+            r.hashes += chain_hashes(r.token_slice(len(r.hashes) * self.H, full * self.H), self.H,
                                      r.hashes[-1] if r.hashes else 0)
 
     def _grow(self, r: Request, end: int) -> int | None:
@@ -212,7 +223,7 @@ class Scheduler:
                 continue
             if (ck := self._grow(r, r.done + 1)) is not None:
                 # A token still on the device is fed from there (-1): the step reads its slot's last sample.
-                rows.append((True, self._row(r, [-1] if r.pending else r.tokens[-1:], ck), r, True))
+                rows.append((True, self._row(r, [-1] if r.pending else r.token_slice(r.num_tokens - 1, r.num_tokens), ck), r, True))
         budget = self.budget - len(rows)
         n_prefill = 0
         for r in self._prefill_candidates():
@@ -230,7 +241,7 @@ class Scheduler:
                     self.release(r)
                     self._requeue(r)
                 break
-            rows.append((False, self._row(r, r.tokens[r.done : end], ck), r, end == r.prefill_end and not r.out))
+            rows.append((False, self._row(r, r.token_slice(r.done, end), ck), r, end == r.prefill_end and not r.out))
             budget -= end - r.done
             n_prefill += 1
         # A request preempted while this step was planned has no pages now: its rows go.
@@ -244,7 +255,7 @@ class Scheduler:
     def _decodes(r: Request) -> bool:
         """``r``'s prompt is in the cache and its last sampled token is next (known or in flight),
         and it may still produce a token."""
-        return ((r.out or r.pending) and r.done == len(r.tokens) + r.pending - 1
+        return ((r.out or r.pending) and r.done == r.num_tokens + r.pending - 1
                 and len(r.out) + r.pending < r.sp.max_tokens)
 
     def _requeue(self, r: Request):

@@ -416,4 +416,4 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
         out["temperature"][i], out["top_k"][i], out["top_p"][i], out["seed"][i] = (r.temperature, r.top_k, r.top_p,
                                                                                      r.seed)
     out["cu_seqlens"][1:] = np.cumsum(lens)
-    return StepBatch(**{k: jnp.asarray(v) for k, v in out.items()})
+    return StepBatch(**jax.device_put(out))  # one call for every array

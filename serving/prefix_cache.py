@@ -284,7 +284,8 @@ class PrefixCache:
             req.blocks.append(u.pages)
         req.num_tokens = num_tokens
 
-    def on_forward(self, req_id, done: int, *, end_only: bool = False) -> list[tuple[int, tuple[int, ...]]]:
+    def on_forward(self, req_id, done: int, *, end_only: bool = False,
+                   checkpoint: bool = True) -> list[tuple[int, tuple[int, ...]]]:
         """Tokens ``[req.done, done)`` were computed in this step: register the MLA endpoints they
         complete and allocate checkpoints for the hash boundaries crossed.
 
@@ -292,7 +293,7 @@ class PrefixCache:
         into those pages (the prefill kernel emits them without a second pass). The newest
         boundary is always written (intermediate, reclaimed when superseded unless the policy
         keeps it); with ``end_only`` only a boundary at ``done`` itself (an engine that writes the
-        state after its rows only). Raises PoolExhausted if a checkpoint cannot be allocated
+        state after its rows only); with ``checkpoint=False`` none (no page to spare). Raises PoolExhausted if a checkpoint cannot be allocated
         (nothing changes).
         """
         req = self._reqs[req_id]
@@ -301,7 +302,7 @@ class PrefixCache:
             raise ValueError(f"done={done} outside [{req.done}, {req.num_tokens}]")
         first, last = req.done // H + 1, min(done // H, len(req.hashes))
         new = [b for b in range(first, last + 1) if (self._keeps(req, b) or b == last)
-               and not (end_only and b * H != done)]
+               and not (end_only and b * H != done) and checkpoint]
         units = []
         try:
             for _ in new:
@@ -362,7 +363,8 @@ class PrefixCache:
 
     def end_step(self):
         """The oldest step in flight has landed: its registrations become matchable (rule 2) and
-        its copy sources are unpinned. A synchronous engine calls only this, once per step."""
+        its copy sources are unpinned. An engine that waits for each step before planning the
+        next may call only this, once per step (as ``serving.Engine`` does)."""
         for u in self._step_pins.pop(self.landed, []):
             self._unpin(u)
         self.landed += 1

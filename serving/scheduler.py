@@ -23,7 +23,7 @@ from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
 from serving.prefix_cache import PrefixCache, chain_hashes
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A request and its place in the pool: ``pages`` (MLA pages in order), ``slot`` (its KDA
     state page, -1 until admitted), ``done`` tokens in the cache."""
@@ -93,7 +93,7 @@ class Scheduler:
     of a step become visible when the engine calls :meth:`landed` after the step finished."""
 
     def __init__(self, pool: PagePool, page_tokens: int, *, token_budget: int, max_decode: int,
-                 max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None):
+                 max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None, ids=None):
         self.pool, self.P = pool, page_tokens
         self.budget = token_budget
         self.max_decode, self.max_prefill_rows, self.max_chunk = max_decode, max_prefill_rows, max_chunk
@@ -105,12 +105,12 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
         self._preempted_now: set[int] = set()
-        self._ids = itertools.count()
+        self.ids = ids or itertools.count()  # request ids, carried over when a scheduler is rebuilt
         self._lock = threading.Lock()
 
     def new_request(self, prompt, sp, seed, on_token=None) -> Request:
         """A request with a fresh id (not queued: see :meth:`add`)."""
-        return Request(next(self._ids), list(prompt), sp, seed, on_token)
+        return Request(next(self.ids), list(prompt), sp, seed, on_token)
 
     def add(self, req: Request):
         """Queue a request (thread-safe)."""
@@ -160,9 +160,10 @@ class Scheduler:
 
     def _grow(self, r: Request, end: int) -> int | None:
         """Pages for ``r``'s tokens up to ``end`` (and with the prefix cache, the checkpoint page of
-        a hash boundary at ``end``): the checkpoint page, -1 for none, or None if it cannot."""
-        ckpt = bool(self.cache) and end % self.H == 0 and end // self.H > r.done // self.H
-        if not self._make_room(r, max(0, -(-end // self.P) - len(r.pages)) + ckpt):
+        a hash boundary at ``end`` when one can be spared): the checkpoint page, -1 for none, or
+        None if the pages cannot be had."""
+        need = max(0, -(-end // self.P) - len(r.pages))
+        if not self._make_room(r, need):
             return None
         if self.cache is None:
             while len(r.pages) * self.P < end:
@@ -172,7 +173,8 @@ class Scheduler:
         r.cache_tokens = max(r.cache_tokens, end)
         self.cache.extend(r.rid, r.hashes, r.cache_tokens)
         r.pages = [b[0] for b in self.cache.request_blocks(r.rid)]
-        writes = self.cache.on_forward(r.rid, end, end_only=True)
+        # The checkpoint is optional: with no page to spare the boundary is simply not cached.
+        writes = self.cache.on_forward(r.rid, end, end_only=True, checkpoint=self.pool.can_allocate(1))
         return writes[0][1][0] if writes else -1
 
     def take_aborted_waiting(self) -> list[Request]:
@@ -187,7 +189,12 @@ class Scheduler:
             return {r.rid for r in self.waiting}
 
     def release(self, r: Request, *, keep: bool = False):
-        """Free ``r``'s pages; with ``keep`` (a finished request) what it cached stays cached."""
+        """Free ``r``'s pages and take it off the queue (a preempted request can finish while
+        waiting, when its last in-flight token lands); with ``keep`` (a finished request) what it
+        cached stays cached."""
+        if r.slot < 0:
+            with self._lock:
+                self.waiting = deque(x for x in self.waiting if x is not r)
         if self.cache is not None and r.slot >= 0:
             (self.cache.finish if keep else self.cache.abort)(r.rid)
         elif r.slot >= 0:
@@ -221,6 +228,8 @@ class Scheduler:
                 continue
             if not self._decodes(r):
                 continue
+            if self.cache and r.pending and (r.done + 1) % self.H == 0:
+                continue  # its row completes a hash block: wait a step for the token, to hash and cache it
             if (ck := self._grow(r, r.done + 1)) is not None:
                 # A token still on the device is fed from there (-1): the step reads its slot's last sample.
                 rows.append((True, self._row(r, [-1] if r.pending else r.token_slice(r.num_tokens - 1, r.num_tokens), ck), r, True))
@@ -236,6 +245,8 @@ class Scheduler:
             end = r.done + min(r.prefill_end - r.done, budget, self.max_chunk)
             if self.cache and end // self.H > r.done // self.H:
                 end = end // self.H * self.H  # end on the last hash boundary crossed: its checkpoint
+                if end == r.prefill_end and end - self.H > r.done:
+                    end -= self.H  # a resend of this prompt restores the boundary before its last token
             if (ck := self._grow(r, end)) is None:
                 if new:  # not admitted after all: hold nothing while waiting
                     self.release(r)
@@ -246,7 +257,7 @@ class Scheduler:
             n_prefill += 1
         # A request preempted while this step was planned has no pages now: its rows go.
         rows = [x for x in rows if x[2].rid not in self._preempted_now]
-        if self.cache is not None:
+        if self.cache is not None and rows:  # the engine dispatches it (and calls landed() when it lands)
             self.cache.begin_step()
         return StepPlan([x[1] for x in rows if x[0]], [x[1] for x in rows if not x[0]], [x[2] for x in rows],
                         [x[3] for x in rows])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from functools import partial
 
@@ -75,8 +76,9 @@ def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, batch, *, num_l
 
 class Runner:
     """Device side: params, the page pool ``u32[num_pages, page_words]`` and one compiled step per
-    (decode rows, prefill tokens) bucket. ``run`` packs a plan into its bucket, runs the step
-    (pool donated) and returns the sampled ``int32`` token of every planned row."""
+    (decode rows, prefill tokens) bucket. ``dispatch`` packs a plan into its bucket and starts
+    the step (pool donated); ``fetch`` waits for it and returns the sampled ``int32`` token of
+    every planned row."""
 
     def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
                  decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int,
@@ -184,7 +186,9 @@ class StepEngine(EngineBase):
                              f"max_running {max_running} and the prefill tokens a step can plan")
         if num_pages is None:
             num_pages = _default_pages(lay, max_running, max_blocks)
-        spare = 3 if prefix_cache else 1  # the state page, and two checkpoint pages while one supersedes the other
+        # The state page; with the prefix cache also the checkpoints one request can hold: the
+        # policy's (prompt end, junction, one per 16 hash blocks), its newest, and one superseding it.
+        spare = 5 + max_len // (16 * hash_tokens) if prefix_cache else 1
         if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
@@ -198,18 +202,20 @@ class StepEngine(EngineBase):
         self.sched = self._scheduler()
         self._rng = np.random.default_rng(seed)
         self._live: dict[int, Request] = {}
+        self._lock = threading.RLock()
         self.async_dispatch = async_dispatch
         self._inflight = None  # (plan, handle, logprobs wanted, dispatch time) of the step not yet read back
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
                         "generation_tokens": 0, "cached_tokens": 0, "steps": 0, "step_tokens": 0, "step_time_s": 0.0,
                         "ttft_sum_s": 0.0}
 
-    def _scheduler(self) -> Scheduler:
-        """A scheduler over an empty pool (and an empty prefix cache)."""
+    def _scheduler(self, ids=None) -> Scheduler:
+        """A scheduler over an empty pool (and an empty prefix cache); ``ids``: the request id
+        counter to go on with."""
         pool = PagePool(self.runner.num_pages, with_storage=False)
         P = self.runner.lay.page_tokens
-        cache = PrefixCache(CacheConfig(self.hash_tokens, P, 1, 1), pool) if self.hash_tokens else None
-        return Scheduler(pool, P, cache=cache, **self._sched_args)
+        cache = PrefixCache(CacheConfig(self.hash_tokens, P, 1, 1, "junction+interval:16"), pool) if self.hash_tokens else None
+        return Scheduler(pool, P, cache=cache, ids=ids, **self._sched_args)
 
     def warmup(self):
         self.runner.warmup()
@@ -223,9 +229,11 @@ class StepEngine(EngineBase):
         prompt = [int(t) for t in prompt]
         self.validate(prompt, sp)
         seed = int(self._rng.integers(2**32)) if sp.seed is None else int(sp.seed) % 2**32
-        self.metrics["requests"] += 1
-        req = self._track(self.sched.new_request(prompt, sp, seed, on_token))
-        self.sched.add(req)
+        with self._lock:  # against fail_running: a request is tracked and queued, or neither
+            self.metrics["requests"] += 1
+            sched = self.sched
+            req = self._track(sched.new_request(prompt, sp, seed, on_token))
+            sched.add(req)
         return req
 
     def has_work(self) -> bool:
@@ -273,6 +281,10 @@ class StepEngine(EngineBase):
         self.sched.landed()
 
     def fail_running(self, exc: BaseException) -> list:
+        with self._lock:
+            return self._fail_running(exc)
+
+    def _fail_running(self, exc: BaseException) -> list:
         self._inflight = None  # its tokens are lost with the failed step; waiting requests recompute
         for r in list(self._live.values()):
             r.pending = 0
@@ -281,8 +293,9 @@ class StepEngine(EngineBase):
             log.error("the page pool was lost with the failed step: the prefix cache starts empty")
             self.runner.pool = self.runner.lay.allocate(self.runner.num_pages)
             self.runner.last = jnp.zeros(self.runner.num_pages, jnp.int32)
-            self.sched = self._scheduler()  # the waiting requests move over in order
-            for r in self._live.values():
+            waiting, ids = list(self.sched.waiting), self.sched.ids
+            self.sched = self._scheduler(ids)  # the waiting requests move over in order
+            for r in waiting:
                 self.sched.add(r)
         elif self.sched.cache is not None:
             cache = self.sched.cache
@@ -302,7 +315,7 @@ class StepEngine(EngineBase):
 
     def _counts(self) -> dict:
         s = self.sched
-        return {"waiting": len(s.waiting), "running": len(s.running), "free_slots": s.max_decode - len(s.running),
+        return {"waiting": len(s.waiting), "running": len(s.running), "free_slots": max(0, s.max_decode - len(s.running)),
                 "free_pages": s.pool.num_free + s.pool.num_evictable, "preemptions": s.preemptions,
                 "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 

@@ -68,15 +68,21 @@ def test_token_budgets_give_the_same_tokens(budget, async_dispatch, greedy_refer
     assert [r.token_ids for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)] == greedy_reference
 
 
-def test_preemption_recomputes_and_never_corrupts():
-    """Four requests fill a pool of nine 16-token pages at admission; crossing their second page
-    preempts the later ones, whose tokens are recomputed: the outputs equal an unpressed run."""
-    prompts = np.random.default_rng(2).integers(0, 256, (4, 14)).tolist()
+@pytest.mark.parametrize("cache", [False, True])
+def test_preemption_recomputes_and_never_corrupts(cache):
+    """Four requests fill a tight pool of 16-token pages at admission; crossing their second page
+    preempts the later ones, whose tokens are recomputed (with the prefix cache, from what they
+    cached before): the outputs equal an unpressed run."""
+    prompts = np.random.default_rng(2).integers(0, 256, (4, 30 if cache else 14)).tolist()
     want = _engine(page_tokens=16).generate(prompts, max_tokens=10)
-    tight = _engine(page_tokens=16, num_pages=9)
+    kw = dict(prefix_cache=True, hash_tokens=16, num_pages=13) if cache else dict(num_pages=9)
+    tight = _engine(page_tokens=16, **kw)
     got = tight.generate(prompts, max_tokens=10)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert tight.preemptions > 0 and tight.sched.pool.num_used == 0
+    pool = tight.sched.pool
+    assert tight.preemptions > 0 and pool.num_used == pool.num_evictable
+    if cache:
+        tight.sched.cache.check_invariants()
 
 
 def test_seeded_sampling_is_reproducible_and_stops(engine):
@@ -190,3 +196,42 @@ def test_async_dispatch_runs_one_step_ahead(engine, greedy_reference):
     while engine.has_work():
         engine.step()
     assert r.result.token_ids == greedy_reference[3] and r.pending == 0
+
+
+def test_a_request_preempted_with_its_token_in_flight_finishes_once():
+    """With async dispatch, the request preempted here still has its last token on the device;
+    when it lands it finishes the request (max_tokens 2), which must leave the queue for good."""
+    prompts = np.random.default_rng(2).integers(0, 256, (4, 14)).tolist()
+    e = _engine(page_tokens=16, num_pages=9)
+    reqs = [e.submit(p, SamplingParams(max_tokens=mt)) for p, mt in zip(prompts, (10, 10, 10, 2))]
+    for _ in range(60):
+        if not e.has_work():
+            break
+        e.step()
+    assert e.preemptions > 0 and not e.has_work() and e.sched.pool.num_used == 0
+    assert [len(r.result.token_ids) for r in reqs] == [10, 10, 10, 2]
+
+
+def test_prefix_cache_keeps_what_async_decode_and_exact_prompts_write():
+    """Hash boundaries completed by decode rows (whose token was still on the device when they
+    were planned) are cached for the next turn, and a prompt of whole hash blocks keeps the
+    checkpoint before its last block for a resend."""
+    a = np.random.default_rng(5).integers(0, 256, 20).tolist()
+    e = _cached_engine()
+    out = e.generate([a], max_tokens=30)[0].token_ids
+    assert e.generate([a + out + [1, 2, 3]], max_tokens=2)[0].num_cached_tokens == 48
+    b = np.random.default_rng(7).integers(0, 256, 32).tolist()
+    first = _run(e, [b])
+    assert _run(e, [b]) == [(first[0][0], 16)]
+
+
+def test_request_ids_stay_unique_when_the_pool_is_lost(engine):
+    reqs = [engine.submit(p, SamplingParams(max_tokens=3)) for p in PROMPTS]
+    engine.step()
+    engine.runner.pool.delete()  # as if the donated pool went with a failed step
+    engine.fail_running(RuntimeError("boom"))
+    more = [engine.submit(p, SamplingParams(max_tokens=3)) for p in PROMPTS[:2]]
+    assert len({r.rid for r in reqs + more}) == len(reqs + more)
+    while engine.has_work():
+        engine.step()
+    assert all(r.finished.is_set() for r in reqs + more) and engine.sched.pool.num_used == 0

@@ -184,11 +184,11 @@ class StepEngine(EngineBase):
         if max(decode_buckets) < max_running or max(prefill_buckets) < min(token_budget, max_prefill_rows * max_chunk):
             raise ValueError(f"the largest buckets ({max(decode_buckets)}, {max(prefill_buckets)}) must cover "
                              f"max_running {max_running} and the prefill tokens a step can plan")
-        if num_pages is None:
-            num_pages = _default_pages(lay, max_running, max_blocks)
         # The state page; with the prefix cache also the checkpoints one request can hold: the
         # policy's (prompt end, junction, one per 16 hash blocks), its newest, and one superseding it.
         spare = 5 + max_len // (16 * hash_tokens) if prefix_cache else 1
+        if num_pages is None:
+            num_pages = _default_pages(lay, max_running, max_blocks + spare)
         if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
@@ -320,9 +320,9 @@ class StepEngine(EngineBase):
                 "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 
 
-def _default_pages(lay: PoolLayout, max_running: int, max_blocks: int) -> int:
+def _default_pages(lay: PoolLayout, max_running: int, per_request: int) -> int:
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
         # 80%: the step's activations (latent gathers, scores) need the rest
         return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0), fraction=0.8)
-    return max_running * (max_blocks + 1)
+    return max_running * per_request

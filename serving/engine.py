@@ -368,6 +368,7 @@ class Engine(EngineBase):
                     continue
                 hit = adm.num_cached_tokens
             req.slot = self.free_slots.pop()
+            self.running[req.rid] = req  # before the device work: a failure there releases it all
             if hit:
                 self._restore(req.slot, adm, hit)
             else:  # a recycled slot starts from zero state
@@ -375,7 +376,6 @@ class Engine(EngineBase):
             req.done = req.cached = hit
             if not req.out:
                 self.metrics["cached_tokens"] += hit
-            self.running[req.rid] = req
 
     def _restore(self, slot, adm, hit):
         """Copy the hit checkpoint and MLA latents from pool pages into the slot: one device call

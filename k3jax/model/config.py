@@ -105,7 +105,8 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         """Read a Hugging Face ``config.json`` dict in either form: transformers' own
         (``layer_types`` / ``mlp_layer_types``) or the original checkpoint's (``linear_attn_config``
-        with 1-indexed ``kda_layers`` / ``full_attn_layers``, ``first_k_dense_replace``); a K3
+        with 1-indexed ``kda_layers`` / ``full_attn_layers``, ``first_k_dense_replace``, ``moe_layer_freq``: layer
+        ``i`` is MoE when ``i >= first_k_dense_replace and i % moe_layer_freq == 0``); a K3
         checkpoint's (``KimiK3ForConditionalGeneration``) text fields under ``text_config``."""
         if "text_config" in d:
             d = {**{k: v for k, v in d.items() if k != "text_config"}, **d["text_config"]}
@@ -130,8 +131,8 @@ class ModelConfig:
         if d.get("mlp_layer_types"):
             mlp = tuple("moe" if t == "sparse" else "dense" for t in d["mlp_layer_types"])
         else:
-            k = d.get("first_k_dense_replace", 1)
-            mlp = tuple("dense" if i < k else "moe" for i in range(L))
+            k, freq = d.get("first_k_dense_replace", 1), d.get("moe_layer_freq") or 1
+            mlp = tuple("moe" if i >= k and i % freq == 0 else "dense" for i in range(L))
         eos = d.get("eos_token_id")
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],

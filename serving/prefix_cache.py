@@ -370,6 +370,11 @@ class PrefixCache:
         self.landed += 1
         self.step = max(self.step, self.landed)
 
+    def end_all_steps(self):
+        """No step is in flight any more (the engine dropped a failed one): land them all."""
+        while self.landed < self.step:
+            self.end_step()
+
     # ---- registration and eviction
     def _register(self, index, unit: Unit, key: int):
         if key in index:  # another request already cached this prefix; keep the first copy

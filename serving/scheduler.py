@@ -232,7 +232,7 @@ class Scheduler:
                 continue  # its row completes a hash block: wait a step for the token, to hash and cache it
             if (ck := self._grow(r, r.done + 1)) is not None:
                 # A token still on the device is fed from there (-1): the step reads its slot's last sample.
-                rows.append((True, self._row(r, [-1] if r.pending else r.token_slice(r.num_tokens - 1, r.num_tokens), ck), r, True))
+                rows.append((True, self._row(r, [-1] if r.pending else r.out[-1:], ck), r, True))
         budget = self.budget - len(rows)
         n_prefill = 0
         for r in self._prefill_candidates():

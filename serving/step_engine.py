@@ -298,9 +298,7 @@ class StepEngine(EngineBase):
             for r in waiting:
                 self.sched.add(r)
         elif self.sched.cache is not None:
-            cache = self.sched.cache
-            while cache.landed < cache.step:
-                cache.end_step()
+            self.sched.cache.end_all_steps()
         return failed
 
     def _finish(self, r: Request, reason: str):

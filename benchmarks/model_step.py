@@ -20,7 +20,7 @@ import numpy as np
 from benchmarks.common import write_json
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import Row, StepKernels, jit_step, pack_batch, random_params
+from k3jax.model.step import Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params, stack_layers
 
 BF16_PEAK = 790e12
 
@@ -56,7 +56,7 @@ def decode_floor_bytes(cfg: ModelConfig, params, lay: PoolLayout, B: int, ctx: i
     experts ``B`` tokens touch (uniform routing: ``E (1 - (1 - k/E)^B)`` per layer), each row's
     KDA and conv state read and written, and its MLA latents read."""
     total = 0
-    for i, lp in enumerate(params["layers"]):
+    for i, lp in enumerate(layer_shapes(cfg, params)):
         mp = lp["mlp"]
         if cfg.mlp_types[i] == "moe":
             E, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -108,7 +108,7 @@ def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float) 
 def active_flops_per_token(cfg, params) -> float:
     """2 x the weights one token multiplies (k routed experts of each MoE layer)."""
     n = 0
-    for i, lp in enumerate(params["layers"]):
+    for i, lp in enumerate(layer_shapes(cfg, params)):
         mp = lp["mlp"]
         if cfg.mlp_types[i] == "moe":
             n += (mp["gate_up"].size + mp["down"].size) * cfg.num_experts_per_tok / cfg.num_experts
@@ -204,6 +204,7 @@ def main():
     ap.add_argument("--ragged", default="tokamax", choices=["jax.lax", "tokamax"])
     ap.add_argument("--ragged-tokens", default="1,64,256,8192", help="token counts for the ragged_dot comparison")
     ap.add_argument("--old-engine", action="store_true")
+    ap.add_argument("--scan-layers", action="store_true", help="scan the repeating layers (the engine's default)")
     a = ap.parse_args()
     if a.config == "mid":
         from benchmarks.model import MID
@@ -222,7 +223,7 @@ def main():
                 d[key] = d[key][: a.layers]
     cfg = ModelConfig.from_hf_dict(d)
     meta = {"config": a.config, "layers": cfg.num_layers, "date": datetime.date.today().isoformat(),
-            "device": jax.devices()[0].device_kind, "ragged": a.ragged}
+            "device": jax.devices()[0].device_kind, "ragged": a.ragged, "scan_layers": a.scan_layers}
     rows = []
     emit = lambda r: (rows.append({**meta, **r}), print(json.dumps(rows[-1]), flush=True))
     bw = copy_bandwidth()
@@ -233,6 +234,8 @@ def main():
                 emit(r)
     t0 = time.perf_counter()
     params = random_params(cfg, jax.random.key(0))
+    if a.scan_layers:
+        params = stack_layers(cfg, params)
     jax.block_until_ready(params)
     emit({"kind": "params", "GB": param_bytes(params) / 1e9, "init_s": time.perf_counter() - t0})
     kernels = kernels_for(cfg, a.ragged)

@@ -20,7 +20,7 @@ import numpy as np
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import StepKernels, model_step, pack_batch, prepare_params
+from k3jax.model.step import StepKernels, model_step, pack_batch, prepare_params, stack_layers
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -157,6 +157,8 @@ class StepEngine(EngineBase):
         token from the device), so the host's work overlaps the device's.
       compile_cache: directory of JAX's persistent compilation cache (None: leave JAX's setting;
         default ``$K3JAX_COMPILE_CACHE`` or ``~/.cache/k3jax/xla``), so a restart compiles nothing.
+      scan_layers: run the repeating layers as a ``lax.scan`` (:func:`k3jax.model.step.layer_runs`):
+        each bucket traces and compiles one period of them instead of every layer.
     """
 
     def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
@@ -164,7 +166,7 @@ class StepEngine(EngineBase):
                  prefix_cache: bool = True, hash_tokens: int = 512, num_pages: int | None = None,
                  page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
                  kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE,
-                 async_dispatch: bool = True):
+                 async_dispatch: bool = True, scan_layers: bool = True):
         if compile_cache:
             use_compile_cache(compile_cache)
         self.cfg, ref = load_model(model, seed)
@@ -175,6 +177,8 @@ class StepEngine(EngineBase):
             raise ValueError(f"page_tokens {lay.page_tokens} must be a multiple of hash_tokens {hash_tokens}")
         max_blocks = -(-max_len // lay.page_tokens)
         params = prepare_params(self.cfg, ref, dtype)
+        if scan_layers:
+            params = stack_layers(self.cfg, params)
         del ref  # before the pool is sized from free memory
         if token_budget <= max_running:
             raise ValueError(f"token_budget {token_budget} must exceed max_running {max_running} (room for prefill)")

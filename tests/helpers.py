@@ -32,6 +32,9 @@ GPU_RUNS = [
     pytest.param(dict(backend="gpu", interpret=True), id="gpu-interpret"),
     pytest.param(dict(backend=None, interpret=False), id="compiled", marks=pytest.mark.gpu),
 ]
+# For cases whose interpreted run is long (CI time) and whose kernel another case interprets:
+# the interpreter run is marked slow, the compiled one stays a GPU test.
+GPU_RUNS_SLOW_INTERPRET = [pytest.param(*GPU_RUNS[0].values, id="gpu-interpret", marks=pytest.mark.slow), GPU_RUNS[1]]
 
 
 def skip_compiled_on_cpu(opts):

@@ -130,15 +130,37 @@ def copy_pages(pool, src, dst):
     return pool.at[_write_ids(jnp.where(ok, dst, -1), pool.shape[0])].set(pool[jnp.maximum(src, 0)], mode="drop")
 
 
-def read_kda(lay: PoolLayout, pool, pages, layer: int):
+def _kda_words(lay: PoolLayout, layer):
+    """Word offsets, within a head, of KDA layer ``layer``'s state and conv state (``layer`` may
+    be traced: a step scans over layers)."""
+    return layer * (lay.K * lay.V), lay.state_words + layer * lay.conv_words
+
+
+def _gather_heads(view, pages, start, size: int):
+    """``view u32[N, HV, W]`` -> ``u32[B, HV, size]``: words ``[start, start + size)`` of every head
+    of pages ``pages i32[B]`` (in range); ``start`` a scalar, possibly traced."""
+    idx = jnp.stack([pages, jnp.broadcast_to(jnp.asarray(start, pages.dtype), pages.shape)], axis=-1)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(1, 2), collapsed_slice_dims=(0,), start_index_map=(0, 2))
+    return jax.lax.gather(view, idx, dims, (1, view.shape[1], size), mode=jax.lax.GatherScatterMode.CLIP)
+
+
+def _scatter_heads(view, pages, start, words):
+    """Inverse of :func:`_gather_heads`: write ``words u32[B, HV, size]``; a page id outside
+    ``[0, N)`` writes nothing."""
+    idx = jnp.stack([pages, jnp.broadcast_to(jnp.asarray(start, pages.dtype), pages.shape)], axis=-1)
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0,),
+                                           scatter_dims_to_operand_dims=(0, 2))
+    return jax.lax.scatter(view, idx, words, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def read_kda(lay: PoolLayout, pool, pages, layer):
     """KDA layer ``layer``'s state ``f32[B, HV, K, V]`` and conv state ``f32[B, W - 1, 3 * HV * K]``
     from ``pages i32[B]``; a negative page id reads zeros (a fresh request)."""
     view = pool.reshape(pool.shape[0], lay.HV, lay.head_words)
     safe = jnp.clip(pages, 0, pool.shape[0] - 1)
-    s0 = layer * lay.K * lay.V
-    c0 = lay.state_words + layer * lay.conv_words
-    state = jax.lax.bitcast_convert_type(view[safe, :, s0 : s0 + lay.K * lay.V], f32)
-    conv = jax.lax.bitcast_convert_type(view[safe, :, c0 : c0 + lay.conv_words], f32)
+    s0, c0 = _kda_words(lay, layer)
+    state = jax.lax.bitcast_convert_type(_gather_heads(view, safe, s0, lay.K * lay.V), f32)
+    conv = jax.lax.bitcast_convert_type(_gather_heads(view, safe, c0, lay.conv_words), f32)
     B = pages.shape[0]
     state = state.reshape(B, lay.HV, lay.K, lay.V)
     # [B, HV, W-1, 3, K] -> [B, W-1, 3, HV, K]: the channel order of the model's q, k, v concat
@@ -147,19 +169,18 @@ def read_kda(lay: PoolLayout, pool, pages, layer: int):
     return jnp.where(fresh[..., None], 0.0, state), jnp.where(fresh, 0.0, conv)
 
 
-def write_kda(lay: PoolLayout, pool, pages, layer: int, state, conv):
+def write_kda(lay: PoolLayout, pool, pages, layer, state, conv):
     """Inverse of :func:`read_kda`: write ``state``, ``conv`` of rows ``pages i32[B]`` in place."""
     N = pool.shape[0]
     view = pool.reshape(N, lay.HV, lay.head_words)
     B = pages.shape[0]
     ids = _write_ids(pages, N)
-    s0 = layer * lay.K * lay.V
-    c0 = lay.state_words + layer * lay.conv_words
+    s0, c0 = _kda_words(lay, layer)
     state_w = jax.lax.bitcast_convert_type(state.astype(f32).reshape(B, lay.HV, lay.K * lay.V), u32)
     conv = jnp.transpose(conv.astype(f32).reshape(B, lay.W - 1, 3, lay.HV, lay.K), (0, 3, 1, 2, 4))
     conv_w = jax.lax.bitcast_convert_type(conv.reshape(B, lay.HV, lay.conv_words), u32)
-    view = view.at[ids, :, s0 : s0 + lay.K * lay.V].set(state_w, mode="drop")
-    view = view.at[ids, :, c0 : c0 + lay.conv_words].set(conv_w, mode="drop")
+    view = _scatter_heads(view, ids, s0, state_w)
+    view = _scatter_heads(view, ids, c0, conv_w)
     return view.reshape(pool.shape)
 
 
@@ -176,15 +197,15 @@ def token_pages(lay: PoolLayout, block_tables, rows, positions):
     return page, positions % lay.page_tokens
 
 
-def write_latents(lay: PoolLayout, pool, layer: int, pages, offsets, latents):
-    """Write ``latents [T, L + R]`` of MLA layer ``layer`` at ``(pages, offsets) i32[T]``."""
+def write_latents(lay: PoolLayout, pool, layer, pages, offsets, latents):
+    """Write ``latents [T, L + R]`` of MLA layer ``layer`` (may be traced) at ``(pages, offsets) i32[T]``."""
     view = _mla_view(lay, pool)
     ids = _write_ids(pages, pool.shape[0])
     view = view.at[ids, layer * lay.page_tokens + offsets].set(_to_words(latents, lay.latent_dtype), mode="drop")
     return view.reshape(pool.shape)
 
 
-def read_latents(lay: PoolLayout, pool, layer: int, block_tables, num_tokens: int, lengths):
+def read_latents(lay: PoolLayout, pool, layer, block_tables, num_tokens: int, lengths):
     """The first ``num_tokens`` latent rows of every row's block table: ``[R, num_tokens, L + R]``,
     zeros where ``lengths i32[R]`` (each row's context) or the block table ends: a page's other
     words may be anything (a KDA page's floats read as bf16 include NaNs), and a masked

@@ -21,6 +21,7 @@ context; a paged kernel replaces it (issue 51).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, NamedTuple
@@ -42,10 +43,30 @@ i32 = jnp.int32
 def grouped_matmul(lhs, rhs, group_sizes, **kw):
     """``tokamax.ragged_dot`` (the contract of :func:`jax.lax.ragged_dot`): on the H200 it ran one
     MoE projection of Kimi-Linear-48B 9-104x faster than ``jax.lax.ragged_dot`` with the same bits
-    (docs/benchmarks.md); elsewhere it falls back to XLA."""
+    (docs/benchmarks.md); elsewhere it falls back to XLA. Its implementations are picked once for
+    the default device (see :func:`_grouped_implementations`)."""
     import tokamax  # imported on first use: it pulls in its profiler tooling
 
-    return tokamax.ragged_dot(lhs, rhs, group_sizes, **kw)
+    impls = _grouped_implementations()
+    return tokamax.ragged_dot(lhs, rhs, group_sizes, implementation=impls, bypass_device_check=impls is not None,
+                              **kw)
+
+
+@functools.cache
+def _grouped_implementations() -> tuple[str, ...] | None:
+    """tokamax's default implementations that support the default device, in its order (None if
+    its internals moved). Given explicitly, tokamax skips its per-call device check, which on traced
+    arguments builds an error message by walking the whole trace so far: 35 of the 43 s of
+    tracing a 27-layer step (quadratic in the layers)."""
+    try:
+        from tokamax._src.ops.ragged_dot import api
+    except ImportError:
+        return None
+    dev = jax.devices()[0]
+    names = {"mosaic": "mosaic_gpu" if "NVIDIA" in dev.device_kind else "mosaic_tpu"}
+    ops = [(n, getattr(api, "IMPLEMENTATIONS", {}).get(names.get(n, n))) for n in getattr(api, "_DEFAULT_IMPLEMENTATIONS", ())]
+    out = tuple(n for n, op in ops if op is not None and op.supported_on(dev))
+    return out or None
 
 
 @dataclass(frozen=True)
@@ -319,24 +340,114 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids.astype(i32), top_lp
 
 
+def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int, int], ...]:
+    """The runs of layers a step scans over: ``(start, period, count)`` with layers
+    ``start + n * period + j`` of one kind (attention and MLP type) for each ``j`` and every
+    ``n < count``; picked greedily, most layers saved first. A scanned run compiles one period
+    instead of ``count`` (Kimi-Linear-48B: layers 4-23, five periods of 3 KDA + 1 MLA). None for
+    Block AttnRes (K3), whose trunk carries a growing list of block sums."""
+    if cfg.attn_res_block_size is not None:
+        return ()
+    kinds = list(zip(cfg.layer_types, cfg.mlp_types))
+    runs, free = [], [True] * cfg.num_layers
+
+    def best():
+        top = (0, None)
+        for P in range(1, min(8, cfg.num_layers // 2) + 1):
+            for s in range(cfg.num_layers - 2 * P + 1):
+                c = 0
+                while (s + (c + 1) * P <= cfg.num_layers and all(free[s + c * P : s + (c + 1) * P])
+                       and kinds[s + c * P : s + (c + 1) * P] == kinds[s : s + P]):
+                    c += 1
+                if c >= 2 and (c - 1) * P > top[0]:
+                    top = ((c - 1) * P, (s, P, c))
+        return top[1]
+
+    while (run := best()) is not None:
+        runs.append(run)
+        s, P, c = run
+        free[s : s + P * c] = [False] * (P * c)
+    return tuple(sorted(runs))
+
+
+@partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked, n, layer):
+    return jax.tree.map(lambda s, x: s.at[n].set(x), stacked, layer)
+
+
+def stack_layers(cfg: ModelConfig, params):
+    """Serving params whose :func:`layer_runs` are stacked for the step's scan: ``layers[i]`` is
+    None for a scanned layer and ``runs[r][j]`` holds the run's layers ``start + n * period + j``
+    along a leading axis ``n``. Consumes ``params["layers"]`` (each layer is freed once copied, so
+    the weights never exist twice)."""
+    layers = params.pop("layers")
+    stacked = []
+    for s, P, c in layer_runs(cfg):
+        group = []
+        for j in range(P):
+            first = layers[s + j]
+            tree = jax.tree.map(lambda a: jnp.zeros((c, *a.shape), a.dtype), first)
+            for n in range(c):
+                tree = _set_layer(tree, n, layers[s + n * P + j])
+                layers[s + n * P + j] = None
+            group.append(tree)
+        stacked.append(group)
+    return dict(params, layers=layers, runs=stacked)
+
+
+def layer_shapes(cfg: ModelConfig, params) -> list:
+    """Each layer's params, as arrays or (for a layer of a scanned run) ``jax.ShapeDtypeStruct``:
+    for counting bytes and FLOPs of params with or without :func:`stack_layers`."""
+    out = list(params["layers"])
+    for (s, P, c), group in zip(layer_runs(cfg), params.get("runs", ())):
+        for j, tree in enumerate(group):
+            for n in range(c):
+                out[s + n * P + j] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+    return out
+
+
 def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
                batch: StepBatch, *, num_logprobs: int = 0, return_logits: bool = False):
-    """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``."""
+    """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``. With
+    params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``."""
     rows = _rows(batch, num_decode)
     pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
     dt = params["embed"].dtype
     trunk = Trunk(cfg, params["embed"][batch.tokens].astype(f32))
-    ik = im = 0
-    for i, lp in enumerate(params["layers"]):
+    index = [sum(t == kind for t in cfg.layer_types[:i]) for i, kind in enumerate(cfg.layer_types)]
+
+    def layer(i, lp, trunk, pool, n=0, per=(0, 0)):
+        """Layer ``i`` (+ ``n`` periods of a run with ``per`` KDA and MLA layers each) on ``trunk``."""
         h = rms_norm(trunk.attn_input(i, lp), lp["input_norm"], cfg.rms_norm_eps).astype(dt)
         if cfg.layer_types[i] == "kda":
-            h, pool = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, ik, batch, rows)
-            ik += 1
+            h, pool = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[0], batch, rows)
         else:
-            h, pool = mla_layer(cfg, lay, lp["attn"], h, pool, im, batch, rows)
-            im += 1
+            h, pool = mla_layer(cfg, lay, lp["attn"], h, pool, index[i] + n * per[1], batch, rows)
         h = rms_norm(trunk.mlp_input(lp, h), lp["post_norm"], cfg.rms_norm_eps).astype(dt)
         trunk.add(moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(cfg, lp["mlp"], h))
+        return pool
+
+    runs = {s: (P, c, group) for (s, P, c), group in zip(layer_runs(cfg), params.get("runs", ()))}
+    i = 0
+    while i < cfg.num_layers:
+        if i not in runs:
+            pool = layer(i, params["layers"][i], trunk, pool)
+            i += 1
+            continue
+        P, c, group = runs[i]
+        kinds = cfg.layer_types[i : i + P]
+        per = (kinds.count("kda"), kinds.count("mla"))
+
+        def period(carry, xs, i=i, P=P, per=per):
+            x, pool = carry
+            n, lps = xs
+            t = Trunk(cfg, x)
+            for j in range(P):
+                pool = layer(i + j, lps[j], t, pool, n, per)
+            return (t.partial, pool), None
+
+        (trunk.partial, pool), _ = jax.lax.scan(period, (trunk.partial, pool), (jnp.arange(c, dtype=i32), group))
+        i += P * c
     last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
     h = rms_norm(trunk.output(params)[last], params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]

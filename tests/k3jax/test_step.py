@@ -12,11 +12,17 @@ import pytest
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint, logits
 from k3jax.model.pool import PoolLayout, read_kda, read_latents, write_kda, write_latents
 from k3jax.model.model import route
-from k3jax.model.step import Row, StepBatch, StepKernels, jit_step, moe, pack_batch, prepare_params, sample
+from k3jax.model.step import (Row, StepBatch, StepKernels, jit_step, layer_runs, moe, pack_batch, prepare_params, sample,
+                              stack_layers)
 from tests.helpers import rel_rms
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
 BUCKET = dict(num_decode=4, num_tokens=48, num_rows=7, max_blocks=3)
+
+
+# tiny with 7 layers: layers 1-3 and 4-6 are one period (KDA, MLA, KDA; MoE) twice
+SEVEN_LAYERS = dict(num_hidden_layers=7, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2
+                    + ["linear_attention"], mlp_layer_types=["dense"] + ["sparse"] * 6)
 
 
 def _tiny(config="configs/tiny.json", **over):
@@ -31,10 +37,12 @@ class Runner:
     """Feeds known sequences through the step chunk by chunk (teacher forcing) and keeps the
     logits of each row's last token."""
 
-    def __init__(self, cfg, params, dtype, page_tokens=16, num_pages=24):
+    def __init__(self, cfg, params, dtype, page_tokens=16, num_pages=24, scan=False):
         self.cfg = cfg
         self.lay = PoolLayout.for_model(cfg, page_tokens=page_tokens, latent_dtype=dtype)
         self.params = prepare_params(cfg, params, dtype)
+        if scan:
+            self.params = stack_layers(cfg, self.params)
         self.pool = self.lay.allocate(num_pages)
         self.N = num_pages
 
@@ -84,18 +92,45 @@ def _reference(cfg, params, seqs):
     return [np.asarray(run(jnp.asarray(s))) for s in seqs]
 
 
-@pytest.mark.parametrize("config", ["configs/tiny.json", "configs/tiny_k3.json"])
-def test_step_matches_forward_float32(config):
-    cfg, params = _tiny(config)
+@pytest.mark.parametrize("config,scan", [("configs/tiny.json", False), ("configs/tiny_k3.json", False),
+                                         ("seven_layers", True)])
+def test_step_matches_forward_float32(config, scan):
+    cfg, params = _tiny(**SEVEN_LAYERS) if config == "seven_layers" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)
-    runner = Runner(cfg, params, jnp.float32)
+    runner = Runner(cfg, params, jnp.float32, scan=scan)
+    assert not scan or runner.params["runs"], "the scanned case must scan"
     page0 = np.asarray(runner.pool[0])
     for seq, pos, lg in _schedule(runner, seqs):
         assert rel_rms(lg, ref[seq][pos]) < 1e-5, (seq, pos)
         assert np.argmax(lg) == np.argmax(ref[seq][pos])
     # A's first page (shared with D) held A's latents after step 1; D never wrote it.
     assert not np.array_equal(page0, np.asarray(runner.pool[0]))
+
+
+def test_layer_runs_find_the_repeating_period():
+    cfg, _ = _tiny(**SEVEN_LAYERS)
+    assert layer_runs(cfg) == ((1, 3, 2),)
+    big = ModelConfig.from_json("configs/kimi_linear_48b_a3b.json")
+    runs = layer_runs(big)
+    kinds = list(zip(big.layer_types, big.mlp_types))
+    covered = set()
+    for s, P, c in runs:  # each run is c copies of its first period, over layers no other run covers
+        assert c >= 2 and all(kinds[s + n * P + j] == kinds[s + j] for n in range(c) for j in range(P))
+        assert covered.isdisjoint(range(s, s + P * c))
+        covered |= set(range(s, s + P * c))
+    assert len(covered) >= 20  # 24 of its 27 layers: one compiled period of 4 instead of 24 layers
+    assert layer_runs(_tiny("configs/tiny_k3.json")[0]) == ()  # Block AttnRes: unrolled
+
+
+def test_scanned_step_writes_the_pool_as_the_unrolled_one():
+    cfg, params = _tiny(**SEVEN_LAYERS)
+    seqs = _seqs_with_shared_prefix(cfg)
+    flat, scanned = Runner(cfg, params, jnp.float32), Runner(cfg, params, jnp.float32, scan=True)
+    for a, b in zip(_schedule(flat, seqs), _schedule(scanned, seqs)):
+        np.testing.assert_allclose(a[2], b[2], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(flat.pool).view(np.float32), np.asarray(scanned.pool).view(np.float32),
+                               rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
 def test_shared_page_is_not_written_by_the_sharing_row():

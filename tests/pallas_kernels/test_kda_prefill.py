@@ -25,7 +25,7 @@ from k3jax.ops.segments import apply_segment, segment_initial_states
 from pallas_kernels.kda import chunk_prep_gpu, prefill, recurrence_triton, segment_plan
 from pallas_kernels.kda.common import GPU_PRECISION
 from pallas_kernels.kda.wy_fast_triton import _inverse_body
-from tests.helpers import GPU_RUNS, assert_close, kda_inputs, kernel_backends, random_state, skip_compiled_on_cpu
+from tests.helpers import GPU_RUNS, GPU_RUNS_SLOW_INTERPRET, assert_close, kda_inputs, kernel_backends, random_state, skip_compiled_on_cpu
 
 TPU_INTERPRET = pltpu.InterpretParams(
     detect_races=True, num_cores_or_threads=2, random_seed=3, uninitialized_memory="nan"
@@ -170,7 +170,7 @@ def test_inverse_kernel():
         assert bool(jnp.all(jnp.triu(X, 16) == 0)) and bool(jnp.all(jnp.isfinite(X)))
 
 
-@pytest.mark.parametrize("run", GPU_RUNS)
+@pytest.mark.parametrize("run", GPU_RUNS_SLOW_INTERPRET)
 def test_bf16_intermediates(run):
     """GPU stages passing bfloat16 through memory (the default for bf16 inputs): within bf16
     tolerance of the reference (outputs, final state, checkpoints), through the segment summary

@@ -25,7 +25,7 @@ from pallas_kernels.kda import (chunk_intra_mgpu, chunk_prep_gpu, prefill, recur
                                 wy_fast_mgpu)
 from pallas_kernels.kda.chunk_prep_gpu import gate_cumsum_call
 from pallas_kernels.kda.common import SUB
-from tests.helpers import assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
+from tests.helpers import GPU_RUNS_SLOW_INTERPRET, assert_close, kda_inputs, random_state, rel_rms, skip_compiled_on_cpu
 from tests.pallas_kernels.test_kda_prefill import H200, _export
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
@@ -162,6 +162,7 @@ def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
                                       recurrence="mosaic_gpu", **gpu_run)
 
 
+@pytest.mark.parametrize("gpu_run", GPU_RUNS_SLOW_INTERPRET, indirect=True)
 def test_chunk_kda_with_the_wide_summary(gpu_run, monkeypatch):
     """The summary pass and the recurrence at 128 columns per CTA inside ``chunk_kda`` (K = V =
     128, 3 segments, GVA, initial states, checkpoints), chosen by the planner when their CTAs take
@@ -181,6 +182,7 @@ def test_chunk_kda_with_the_wide_summary(gpu_run, monkeypatch):
         assert_close(got, want, "bf16")
 
 
+@pytest.mark.parametrize("gpu_run", GPU_RUNS_SLOW_INTERPRET, indirect=True)
 def test_initial_state_hook_with_the_mosaic_recurrence(gpu_run):
     """The KCP path through the default recurrence (Mosaic GPU here): ``initial_state_fn`` gets
     each sequence's whole map from the Mosaic summary pass over 2 segments, and the recurrence

@@ -246,6 +246,7 @@ def test_pallas_prefill_kernel_swaps_in(plain):
     assert r2.token_ids == plain.generate([turn2], max_tokens=4)[0].token_ids
 
 
+@pytest.mark.slow  # K3 on the serving path: tests/k3jax/test_k3_goldens.py::test_k3_step_matches_the_reference
 def test_kimi_k3_through_the_engine():
     """The embedded tiny K3 (AttnRes, LatentMoE, gated MLA) served with the prefix cache and
     speculation: a second turn resumes from the first turn's checkpoint and every greedy

@@ -1,12 +1,15 @@
 """The engine on the serving step: greedy outputs equal to the reference forward across token
 budgets, batch sizes and preemption; no compilation after warm-up; aborts; bad requests."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params
+from k3jax.model.step import layer_runs
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.step_engine import StepEngine
 
@@ -15,7 +18,10 @@ MAX_TOKENS = 6
 
 
 def _model():
+    """tiny with a fifth layer, so layers 1-4 are two periods of (KDA, MLA) that the step scans."""
     cfg = ModelConfig.from_json(f"{CONFIGS}/tiny.json")
+    cfg = dataclasses.replace(cfg, layer_types=(*cfg.layer_types, "mla"), mlp_types=(*cfg.mlp_types, "moe"))
+    assert layer_runs(cfg) == ((1, 2, 2),)
     return cfg, init_params(cfg, jax.random.key(0))
 
 

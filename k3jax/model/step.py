@@ -34,7 +34,7 @@ from k3jax.model.config import ModelConfig
 from k3jax.model.model import Trunk, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm, route
 from k3jax.model.pool import PoolLayout, copy_pages, read_kda, read_latents, token_pages, write_kda, write_latents
 from k3jax.ops.conv import short_conv, short_conv_step
-from k3jax.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2norm
+from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -82,7 +82,9 @@ class StepKernels:
 class StepBatch(NamedTuple):
     """One step's packed inputs (host-built, bucketed shapes; see :func:`pack_batch`).
 
-    tokens ``i32[T]``; cu_seqlens ``i32[R + 1]`` (rows ``i < num_decode`` are token ``i``; padding
+    tokens ``i32[T]``; cu_seqlens ``i32[R + 1]`` (rows ``i < num_decode`` are tokens
+    ``[i * window, (i + 1) * window)``: the last sampled token then ``draft[i]`` draft tokens, the rest
+    padding; with ``window == 1`` row ``i`` is token ``i``; padding
     rows are empty or have ``state_slot == -1``); start ``i32[R]`` tokens of the row's sequence
     already in the cache (its first position); block_tables ``i32[R, blocks]`` MLA page ids
     (-1 unused); state_slot ``i32[R]`` the request's KDA state page (-1: padding row, nothing
@@ -90,7 +92,7 @@ class StepBatch(NamedTuple):
     checkpoint to resume from, or -1 for zero state); checkpoint ``i32[R]`` a page that also
     receives the row's final state (-1: none); copy_src / copy_dst ``i32[R]`` a whole page copied
     before anything runs (a prefix-cache hit's partial MLA page into the request's own; -1: none);
-    temperature ``f32[R]`` (0: greedy), top_k ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed
+    draft ``i32[R]`` draft tokens of a decode row's speculative window (0: none); temperature ``f32[R]`` (0: greedy), top_k ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed
     ``u32[R]``.
     """
 
@@ -103,6 +105,7 @@ class StepBatch(NamedTuple):
     checkpoint: jax.Array
     copy_src: jax.Array
     copy_dst: jax.Array
+    draft: jax.Array
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
@@ -110,15 +113,21 @@ class StepBatch(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    """``tokens i32[R]`` sampled after each row's last token; ``logprob f32[R]`` of that token;
-    ``top_ids i32[R, n]`` / ``top_logprobs f32[R, n]`` (n = ``num_logprobs``); ``logits f32[R, V]``
-    only when asked (tests)."""
+    """``tokens i32[R]`` sampled after each row's last token (a decode row's window: after its
+    first); ``logprob f32[R]`` of that token; ``top_ids i32[R, n]`` / ``top_logprobs f32[R, n]``
+    (n = ``num_logprobs``); ``logits f32[R, V]`` only when asked (tests). With a window ``W > 1``:
+    ``accepted i32[num_decode]`` draft tokens each decode row accepted (greedy rows; a draft is
+    accepted while it equals the greedy token before it) and ``window i32[num_decode, W]`` the
+    greedy token after each window position: the row emits ``tokens[i]`` then
+    ``window[i, 1 : accepted[i] + 1]``, and its state is committed after ``1 + accepted[i]`` tokens."""
 
     tokens: jax.Array
     logprob: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
     logits: jax.Array | None
+    accepted: jax.Array | None = None
+    window: jax.Array | None = None
 
 
 def prepare_params(cfg: ModelConfig, params, dtype=jnp.bfloat16):
@@ -200,13 +209,19 @@ def dense_mlp(cfg: ModelConfig, p, x):
 class _Rows(NamedTuple):
     """Static split and per-token bookkeeping derived from a batch."""
 
-    nd: int  # decode rows (= decode tokens)
+    nd: int  # decode rows
+    W: int  # tokens per decode row (its speculative window; 1: plain decode)
     row: jax.Array  # i32[T] row of each token (R for padding tokens)
     pos: jax.Array  # i32[T] position of each token in its sequence
     live: jax.Array  # bool[T]
 
+    @property
+    def nt(self) -> int:
+        """Decode tokens."""
+        return self.nd * self.W
 
-def _rows(batch: StepBatch, nd: int) -> _Rows:
+
+def _rows(batch: StepBatch, nd: int, W: int = 1) -> _Rows:
     T, R = batch.tokens.shape[0], batch.start.shape[0]
     t = jnp.arange(T, dtype=i32)
     row = jnp.searchsorted(batch.cu_seqlens, t, side="right").astype(i32) - 1
@@ -214,42 +229,76 @@ def _rows(batch: StepBatch, nd: int) -> _Rows:
     row = jnp.where(live, row, R)
     rc = jnp.minimum(row, R - 1)
     pos = batch.start[rc] + t - batch.cu_seqlens[rc]
-    return _Rows(nd, row, pos, live)
+    if W > 1:  # a window's padding past its drafts writes nothing
+        live = live & ((t >= nd * W) | (t - batch.cu_seqlens[rc] <= batch.draft[rc]))
+    return _Rows(nd, W, row, pos, live)
 
 
 def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li: int, batch: StepBatch,
               rows: _Rows):
-    """KDA sublayer over packed ``x [T, D]``; reads and writes KDA layer ``li``'s state pages."""
+    """KDA sublayer over packed ``x [T, D]``; reads and writes KDA layer ``li``'s state pages.
+    Returns ``(out, pool, window)``: with decode windows (``rows.W > 1``) their rows' states are
+    not written here; ``window`` holds what :func:`commit_windows` needs to write them once the
+    accepted drafts are known (else None)."""
     T = x.shape[0]
-    HV, K, nd = cfg.linear_num_heads, cfg.linear_head_dim, rows.nd
+    HV, K, nd, nt = cfg.linear_num_heads, cfg.linear_head_dim, rows.nd, rows.nt
     raw = linear(x, p["qkv"]).astype(x.dtype)  # [T, 3 * HV * K]
     g = kda_gate(linear(linear(x, p["f_a"]), p["f_b"]).reshape(T, HV, K), p["A_log"].reshape(HV), p["dt_bias"],
                  lower_bound=cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(linear(x, p["b"]))
     state, conv = read_kda(lay, pool, batch.state_src, li)
-    outs, finals, convs = [], [], []
-    if nd:
+    outs, finals, convs, window = [], [], [], None
+    if nd and rows.W > 1:
+        raw_w = raw[:nt].reshape(nd, rows.W, -1)
+        y, _ = short_conv(raw_w, p["conv"], activation="silu", initial_state=conv[:nd])
+        q, k, v = (a.reshape(nd, rows.W, HV, K) for a in jnp.split(y, 3, axis=-1))
+        k = l2norm(k)
+        g_w, beta_w = g[:nt].reshape(nd, rows.W, HV, K), beta[:nt].reshape(nd, rows.W, HV)
+        outs.append(kda_verify(state[:nd], l2norm(q), k, v, g_w, beta_w).reshape(nt, HV, K))
+        finals.append(state[:nd])
+        convs.append(conv[:nd])
+        window = (raw_w, k, v, g_w, beta_w)
+    elif nd:
         y, c_d = short_conv_step(raw[:nd], conv[:nd], p["conv"], activation="silu")
         q, k, v = (a.reshape(nd, HV, K) for a in jnp.split(y, 3, axis=-1))
         o_d, s_d = kda_decode_step(state[:nd], l2norm(q), l2norm(k), v, g[:nd], beta[:nd])
         outs.append(o_d)
         finals.append(s_d)
         convs.append(c_d)
-    if T > nd:
-        cu = batch.cu_seqlens[nd:] - nd
-        y, c_p = short_conv(raw[None, nd:], p["conv"], activation="silu", initial_state=conv[nd:], cu_seqlens=cu)
-        q, k, v = (a.reshape(1, T - nd, HV, K) for a in jnp.split(y[0], 3, axis=-1))
-        o_p, s_p = kernels.chunk_kda(l2norm(q), l2norm(k), v, g[None, nd:], beta[None, nd:],
+    if T > nt:
+        cu = batch.cu_seqlens[nd:] - nt
+        y, c_p = short_conv(raw[None, nt:], p["conv"], activation="silu", initial_state=conv[nd:], cu_seqlens=cu)
+        q, k, v = (a.reshape(1, T - nt, HV, K) for a in jnp.split(y[0], 3, axis=-1))
+        o_p, s_p = kernels.chunk_kda(l2norm(q), l2norm(k), v, g[None, nt:], beta[None, nt:],
                                      initial_state=state[nd:], cu_seqlens=cu)
         outs.append(o_p[0])
         finals.append(s_p)
         convs.append(c_p)
     o, final, conv = (jnp.concatenate([part.astype(f32) for part in a]) for a in (outs, finals, convs))
-    pool = write_kda(lay, pool, batch.state_slot, li, final, conv)
-    pool = write_kda(lay, pool, batch.checkpoint, li, final, conv)
+    slot, ckpt = batch.state_slot, batch.checkpoint
+    if window is not None:  # written by commit_windows
+        slot, ckpt = (jnp.where(jnp.arange(slot.shape[0]) < nd, -1, a) for a in (slot, ckpt))
+    pool = write_kda(lay, pool, slot, li, final, conv)
+    pool = write_kda(lay, pool, ckpt, li, final, conv)
     gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
     o = rms_norm(o.astype(f32), p["o_norm"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.reshape(T, HV, K))
-    return linear(o.reshape(T, HV * K), p["o"]), pool
+    return linear(o.reshape(T, HV * K), p["o"]), pool, window
+
+
+def commit_windows(lay: PoolLayout, pool, batch: StepBatch, nd: int, layers, windows, num_tokens):
+    """Write the state of decode rows after their window's first ``num_tokens i32[nd]`` tokens
+    into their slots (and checkpoint pages), for KDA layers ``layers i32[n]`` from their
+    ``windows`` (:func:`kda_layer`'s, stacked over those layers)."""
+    def one(pool, xs):
+        li, (raw, k, v, g, beta) = xs
+        state, conv = read_kda(lay, pool, batch.state_src[:nd], li)
+        state = kda_commit(state, k, v, g, beta, num_tokens)
+        both = jnp.concatenate([conv, raw.astype(f32)], axis=1)  # the inputs the conv state is the last W - 1 of
+        conv = jax.vmap(lambda b, n: jax.lax.dynamic_slice_in_dim(b, n, conv.shape[1]))(both, num_tokens)
+        pool = write_kda(lay, pool, batch.state_slot[:nd], li, state, conv)
+        return write_kda(lay, pool, batch.checkpoint[:nd], li, state, conv), None
+
+    return jax.lax.scan(one, pool, (layers, windows))[0]
 
 
 def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
@@ -277,15 +326,16 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: Ste
     scale = (nope + rope) ** -0.5
     attend = partial(latent_attention, L=L, scale=scale, w_uv=p["w_uv"])
     s = jnp.arange(S, dtype=i32)
-    nd, R = rows.nd, batch.start.shape[0]
+    nd, nt, R = rows.nd, rows.nt, batch.start.shape[0]
     outs = []
-    if nd:
-        vis = s[None, :] <= rows.pos[:nd, None]
-        outs.append(jax.vmap(attend)(q_lat[:nd], q_rope[:nd], ctx[:nd], vis))
-    if T > nd:
+    if nd:  # each decode row's window of W queries over its own latents
+        win = lambda a: a[:nt].reshape(nd, rows.W, *a.shape[1:])
+        vis = s[None, None, :] <= win(rows.pos)[..., None]
+        outs.append(jax.vmap(attend)(win(q_lat), win(q_rope), ctx[:nd], vis).reshape(nt, *q_lat.shape[1:2], -1))
+    if T > nt:
         def one_row(r):
-            vis = (rows.row[nd:, None] == r) & (s[None, :] <= rows.pos[nd:, None])
-            return jnp.where((rows.row[nd:] == r)[:, None, None], attend(q_lat[nd:], q_rope[nd:], ctx[r], vis), 0.0)
+            vis = (rows.row[nt:, None] == r) & (s[None, :] <= rows.pos[nt:, None])
+            return jnp.where((rows.row[nt:] == r)[:, None, None], attend(q_lat[nt:], q_rope[nt:], ctx[r], vis), 0.0)
         outs.append(jnp.sum(jax.lax.map(one_row, jnp.arange(nd, R, dtype=i32)), axis=0))
     o = (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).reshape(T, -1)
     if cfg.mla_output_gate:
@@ -407,31 +457,37 @@ def layer_shapes(cfg: ModelConfig, params) -> list:
 
 
 def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
-               batch: StepBatch, *, num_logprobs: int = 0, return_logits: bool = False):
+               batch: StepBatch, *, window: int = 1, num_logprobs: int = 0, return_logits: bool = False):
     """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``. With
-    params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``."""
-    rows = _rows(batch, num_decode)
+    params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``. ``window``:
+    tokens per decode row (1 + its most drafts; see :class:`StepBatch` and :class:`StepOutput`)."""
+    rows = _rows(batch, num_decode, window)
     pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
     dt = params["embed"].dtype
     trunk = Trunk(cfg, params["embed"][batch.tokens].astype(f32))
     index = [sum(t == kind for t in cfg.layer_types[:i]) for i, kind in enumerate(cfg.layer_types)]
+    windows = []  # (KDA layer indices, their decode windows stacked over them)
 
     def layer(i, lp, trunk, pool, n=0, per=(0, 0)):
-        """Layer ``i`` (+ ``n`` periods of a run with ``per`` KDA and MLA layers each) on ``trunk``."""
+        """Layer ``i`` (+ ``n`` periods of a run with ``per`` KDA and MLA layers each) on ``trunk``;
+        returns the pool and the KDA layer's decode window (or None)."""
         h = rms_norm(trunk.attn_input(i, lp), lp["input_norm"], cfg.rms_norm_eps).astype(dt)
+        win = None
         if cfg.layer_types[i] == "kda":
-            h, pool = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[0], batch, rows)
+            h, pool, win = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[0], batch, rows)
         else:
             h, pool = mla_layer(cfg, lay, lp["attn"], h, pool, index[i] + n * per[1], batch, rows)
         h = rms_norm(trunk.mlp_input(lp, h), lp["post_norm"], cfg.rms_norm_eps).astype(dt)
         trunk.add(moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(cfg, lp["mlp"], h))
-        return pool
+        return pool, win
 
     runs = {s: (P, c, group) for (s, P, c), group in zip(layer_runs(cfg), params.get("runs", ()))}
     i = 0
     while i < cfg.num_layers:
         if i not in runs:
-            pool = layer(i, params["layers"][i], trunk, pool)
+            pool, win = layer(i, params["layers"][i], trunk, pool)
+            if win is not None:
+                windows.append((jnp.full((1,), index[i], i32), jax.tree.map(lambda a: a[None], win)))
             i += 1
             continue
         P, c, group = runs[i]
@@ -441,26 +497,43 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         def period(carry, xs, i=i, P=P, per=per):
             x, pool = carry
             n, lps = xs
-            t = Trunk(cfg, x)
+            t, wins = Trunk(cfg, x), []
             for j in range(P):
-                pool = layer(i + j, lps[j], t, pool, n, per)
-            return (t.partial, pool), None
+                pool, win = layer(i + j, lps[j], t, pool, n, per)
+                if win is not None:
+                    wins.append((index[i + j] + n * per[0], win))
+            return (t.partial, pool), wins
 
-        (trunk.partial, pool), _ = jax.lax.scan(period, (trunk.partial, pool), (jnp.arange(c, dtype=i32), group))
+        (trunk.partial, pool), wins = jax.lax.scan(period, (trunk.partial, pool), (jnp.arange(c, dtype=i32), group))
+        windows += wins
         i += P * c
     last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
-    h = rms_norm(trunk.output(params)[last], params["norm"], cfg.rms_norm_eps)
+    if window > 1:  # a decode row samples after its first token (its drafts are checked below)
+        last = last.at[:num_decode].set(jnp.arange(num_decode, dtype=i32) * window)
+    out = trunk.output(params)
+    h = rms_norm(out[last], params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = linear(h, head)
     tokens, lp, top_ids, top_lp = sample(logits, batch, rows.pos[last] + 1, num_logprobs)
-    return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits else None), pool
+    accepted = greedy = None
+    if window > 1 and num_decode:
+        nt = rows.nt
+        greedy = jnp.argmax(linear(rms_norm(out[:nt], params["norm"], cfg.rms_norm_eps), head), -1)
+        greedy = greedy.astype(i32).reshape(num_decode, window)
+        drafts = batch.tokens[:nt].reshape(num_decode, window)[:, 1:]
+        ok = ((drafts == greedy[:, :-1]) & (jnp.arange(window - 1) < batch.draft[:num_decode, None])
+              & (batch.temperature[:num_decode, None] <= 0))
+        accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(i32)
+        layers, wins = (jax.tree.map(lambda *a: jnp.concatenate(a), *x) for x in zip(*windows))
+        pool = commit_windows(lay, pool, batch, num_decode, layers, wins, accepted + 1)
+    return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits else None, accepted, greedy), pool
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("num_logprobs", "return_logits"),
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("window", "num_logprobs", "return_logits"),
          donate_argnums=5)
-def jit_step(cfg, lay, kernels, num_decode, params, pool, batch, *, num_logprobs=0, return_logits=False):
+def jit_step(cfg, lay, kernels, num_decode, params, pool, batch, *, window=1, num_logprobs=0, return_logits=False):
     """:func:`model_step` jitted, the pool donated (updated in place)."""
-    return model_step(cfg, lay, kernels, num_decode, params, pool, batch, num_logprobs=num_logprobs,
+    return model_step(cfg, lay, kernels, num_decode, params, pool, batch, window=window, num_logprobs=num_logprobs,
                       return_logits=return_logits)
 
 
@@ -484,16 +557,17 @@ class Row(NamedTuple):
 
 
 def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_decode: int, num_tokens: int,
-               num_rows: int, max_blocks: int, num_pages: int) -> StepBatch:
-    """Pack rows into a :class:`StepBatch` of the given bucket: ``num_decode`` decode rows (one
-    token each), prefill rows after them, ``num_tokens`` tokens and ``num_rows`` rows in all.
-    Raises ``ValueError`` for a batch over its bucket, a row whose context passes its block
-    table, or a page or slot id outside ``[0, num_pages)``."""
-    if len(decode) > num_decode or any(len(r.tokens) != 1 for r in decode):
-        raise ValueError(f"{len(decode)} decode rows (one token each) for a bucket of {num_decode}")
+               num_rows: int, max_blocks: int, num_pages: int, window: int = 1) -> StepBatch:
+    """Pack rows into a :class:`StepBatch` of the given bucket: ``num_decode`` decode rows of
+    ``window`` tokens (a row's last sampled token and up to ``window - 1`` drafts), prefill rows
+    after them, ``num_tokens`` tokens and ``num_rows`` rows in all. Raises ``ValueError`` for a
+    batch over its bucket, a row whose context passes its block table, or a page or slot id
+    outside ``[0, num_pages)``."""
+    if len(decode) > num_decode or any(not 1 <= len(r.tokens) <= window for r in decode):
+        raise ValueError(f"{len(decode)} decode rows (1 to {window} tokens each) for a bucket of {num_decode}")
     if num_decode + len(prefill) > num_rows:
         raise ValueError(f"{num_decode} + {len(prefill)} rows exceed the bucket of {num_rows} rows")
-    n_tok = num_decode + sum(len(r.tokens) for r in prefill)
+    n_tok = num_decode * window + sum(len(r.tokens) for r in prefill)
     if n_tok > num_tokens:
         raise ValueError(f"{n_tok} tokens exceed the bucket of {num_tokens}")
     R = num_rows
@@ -501,27 +575,28 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
                start=np.zeros(R, np.int32), block_tables=np.full((R, max_blocks), -1, np.int32),
                state_slot=np.full(R, -1, np.int32), state_src=np.full(R, -1, np.int32),
                checkpoint=np.full(R, -1, np.int32), copy_src=np.full(R, -1, np.int32),
-               copy_dst=np.full(R, -1, np.int32), temperature=np.zeros(R, np.float32),
+               copy_dst=np.full(R, -1, np.int32), draft=np.zeros(R, np.int32), temperature=np.zeros(R, np.float32),
                top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32), seed=np.zeros(R, np.uint32))
     placed = [(i, r) for i, r in enumerate(decode)] + [(num_decode + i, r) for i, r in enumerate(prefill)]
     lens = np.zeros(R, np.int32)
-    lens[:num_decode] = 1
+    lens[:num_decode] = window
     for i, r in placed:
-        lens[i] = len(r.tokens)
         n = len(r.tokens)
+        lens[i] = window if i < num_decode else n
         if r.start + n > len(r.pages) * lay.page_tokens or len(r.pages) > max_blocks:
             raise ValueError(f"row {i}: context {r.start + n} exceeds its block table "
                              f"({len(r.pages)} pages of {lay.page_tokens} tokens, bucket {max_blocks} pages)")
         ids = [r.slot, r.checkpoint, *r.pages, *(r.copy or ())] + ([] if r.src is None else [r.src])
         if any(not (0 <= p < num_pages) for p in ids if p != -1) or r.slot < 0:
             raise ValueError(f"row {i}: page or slot id outside [0, {num_pages}): {ids}")
-        t0 = i if i < num_decode else num_decode + sum(len(x.tokens) for x in prefill[: i - num_decode])
+        t0 = i * window if i < num_decode else num_decode * window + sum(len(x.tokens) for x in prefill[: i - num_decode])
         out["tokens"][t0 : t0 + n] = r.tokens
         out["start"][i] = r.start
         out["block_tables"][i, : len(r.pages)] = r.pages
         out["state_slot"][i] = r.slot
         out["state_src"][i] = r.src if r.src is not None else (r.slot if r.start else -1)
         out["checkpoint"][i] = r.checkpoint
+        out["draft"][i] = n - 1 if i < num_decode else 0
         if r.copy is not None:
             out["copy_src"][i], out["copy_dst"][i] = r.copy
         out["temperature"][i], out["top_k"][i], out["top_p"][i], out["seed"][i] = (r.temperature, r.top_k, r.top_p,

@@ -46,13 +46,17 @@ class Runner:
         self.pool = self.lay.allocate(num_pages)
         self.N = num_pages
 
-    def run(self, decode, prefill):
-        batch = pack_batch(self.lay, decode, prefill, num_pages=self.N, **BUCKET)
-        out, self.pool = jit_step(self.cfg, self.lay, StepKernels(), BUCKET["num_decode"], self.params, self.pool,
-                                  batch, return_logits=True)
+    def run(self, decode, prefill, window=1):
+        out = self.step(decode, prefill, window)
         nd = BUCKET["num_decode"]
         rows = list(range(len(decode))) + [nd + i for i in range(len(prefill))]
         return np.asarray(out.logits)[rows], np.asarray(out.tokens)[rows]
+
+    def step(self, decode, prefill, window=1):
+        batch = pack_batch(self.lay, decode, prefill, num_pages=self.N, window=window, **BUCKET)
+        out, self.pool = jit_step(self.cfg, self.lay, StepKernels(), BUCKET["num_decode"], self.params, self.pool,
+                                  batch, window=window, return_logits=True)
+        return out
 
 
 def _seqs(cfg, lens, seed=0):
@@ -282,3 +286,41 @@ def test_bad_batches_raise():
         pack([], [Row([1] * 30, 0, [0, 1], slot=1), Row([1] * 30, 0, [2, 3], slot=2)])
     with pytest.raises(ValueError, match="decode rows"):
         pack([Row([1], 3, [0], slot=1)] * 5, [])
+
+
+@pytest.mark.parametrize("seven", [False, True])
+def test_speculative_windows_commit_the_accepted_prefix(seven):
+    """Decode rows with draft windows beside a plain decode row, a sampled row and a prefill chunk:
+    each row accepts its drafts up to the first that differs from the greedy token, emits those
+    plus one, and leaves its state as if it had decoded them one at a time; the next step's logits
+    match a run without windows."""
+    cfg, params = _tiny(**SEVEN_LAYERS) if seven else _tiny()
+    A, B, C, E = _seqs(cfg, [18, 10, 9, 12], seed=7)
+    nA, nB, nE = len(A), len(B), len(E)
+    pages = {10: [0, 1], 11: [2, 3], 12: [4], 13: [5, 6]}
+    plain, spec = (Runner(cfg, params, jnp.float32, scan=seven) for _ in range(2))
+    for r in (plain, spec):
+        _, first = r.run([], [Row(A, 0, pages[10], slot=10), Row(B, 0, pages[11], slot=11),
+                              Row(E, 0, pages[13], slot=13, temperature=1.0, seed=3)])
+    # The greedy continuation of A and B, one token per step.
+    a, b, x = [int(first[0])], [int(first[1])], []
+    for t in range(4):
+        lg, tok = plain.run([Row(a[-1:], nA + t, pages[10], slot=10), Row(b[-1:], nB + t, pages[11], slot=11)], [])
+        a.append(int(tok[0]))
+        b.append(int(tok[1]))
+    # A: three right drafts then a wrong one -> accepts 3; B: a wrong first draft -> accepts 0;
+    # E (sampled) never accepts; a prefill chunk of C runs beside them.
+    wrong = lambda t: (t + 1) % cfg.vocab_size
+    out = spec.step([Row([a[0], a[1], a[2], wrong(a[3])], nA, pages[10], slot=10),
+                     Row([b[0], wrong(b[1])], nB, pages[11], slot=11),
+                     Row([int(first[2]), 1, 2], nE, pages[13], slot=13, temperature=1.0, seed=3)],
+                    [Row(C, 0, pages[12], slot=12)], window=4)
+    acc, win, tok = np.asarray(out.accepted), np.asarray(out.window), np.asarray(out.tokens)
+    assert acc[:3].tolist() == [2, 0, 0]
+    assert [int(tok[0])] + win[0, 1:3].tolist() == a[1:4] and int(tok[1]) == b[1]
+    # The next step from the committed states: A after a[0..2] (next input a[3]), B after b[0].
+    lg_s, tok_s = spec.run([Row(a[3:4], nA + 3, pages[10], slot=10), Row(b[1:2], nB + 1, pages[11], slot=11)], [])
+    ref = Runner(cfg, params, jnp.float32)
+    ref.run([], [Row(A + a[:3], 0, pages[10], slot=10), Row(B + b[:1], 0, pages[11], slot=11)])
+    lg_r, tok_r = ref.run([Row(a[3:4], nA + 3, pages[10], slot=10), Row(b[1:2], nB + 1, pages[11], slot=11)], [])
+    assert rel_rms(lg_s, lg_r) < 1e-5 and tok_s.tolist() == tok_r.tolist()

@@ -207,7 +207,7 @@ def test_grouped_moe_matches_per_token_experts(T):
 
 def _sampling_batch(R, temperature=0.0, top_k=0, top_p=1.0, seed=0):
     z = lambda v, dt: jnp.full((R,), v, dt)
-    return StepBatch(*[None] * 9, z(temperature, jnp.float32), z(top_k, jnp.int32), z(top_p, jnp.float32),
+    return StepBatch(*[None] * 10, z(temperature, jnp.float32), z(top_k, jnp.int32), z(top_p, jnp.float32),
                      jnp.arange(R, dtype=jnp.int32) + seed)
 
 

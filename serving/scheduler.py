@@ -44,6 +44,8 @@ class Request:
     restore: tuple[int, tuple[int, int] | None] | None = None  # a hit's (checkpoint, page copy), for its first row
     cache_tokens: int = 0  # tokens the prefix cache has given pages for
     pending: int = 0  # tokens sampled by dispatched steps, not yet read back (the step feeds them on)
+    spec_misses: int = 0  # consecutive windows with no draft accepted
+    spec_wait: int = 0  # steps left without drafts (the back-off after misses)
     aborted: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     result: object = None
@@ -93,11 +95,13 @@ class Scheduler:
     of a step become visible when the engine calls :meth:`landed` after the step finished."""
 
     def __init__(self, pool: PagePool, page_tokens: int, *, token_budget: int, max_decode: int,
-                 max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None, ids=None):
+                 max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None, ids=None,
+                 speculative: int = 0, drafter=None, spec_backoff: int = 16):
         self.pool, self.P = pool, page_tokens
         self.budget = token_budget
         self.max_decode, self.max_prefill_rows, self.max_chunk = max_decode, max_prefill_rows, max_chunk
         self.cache = cache
+        self.speculative, self.drafter, self.spec_backoff = speculative, drafter, spec_backoff
         self.H = cache.cfg.hash_tokens if cache else 0
         if cache and cache.cfg.block_tokens != page_tokens:
             raise ValueError(f"the prefix cache's block ({cache.cfg.block_tokens}) must be the page ({page_tokens})")
@@ -158,19 +162,19 @@ class Scheduler:
             r.hashes += chain_hashes(r.token_slice(len(r.hashes) * self.H, full * self.H), self.H,
                                      r.hashes[-1] if r.hashes else 0)
 
-    def _grow(self, r: Request, end: int) -> int | None:
-        """Pages for ``r``'s tokens up to ``end`` (and with the prefix cache, the checkpoint page of
-        a hash boundary at ``end`` when one can be spared): the checkpoint page, -1 for none, or
-        None if the pages cannot be had."""
-        need = max(0, -(-end // self.P) - len(r.pages))
+    def _grow(self, r: Request, end: int, drafts: int = 0) -> int | None:
+        """Pages for ``r``'s tokens up to ``end`` plus ``drafts`` draft tokens (and with the prefix
+        cache, the checkpoint page of a hash boundary at ``end`` when one can be spared): the
+        checkpoint page, -1 for none, or None if the pages cannot be had."""
+        need = max(0, -(-(end + drafts) // self.P) - len(r.pages))
         if not self._make_room(r, need):
             return None
         if self.cache is None:
-            while len(r.pages) * self.P < end:
+            while len(r.pages) * self.P < end + drafts:
                 r.pages.append(self.pool.allocate(MLA))
             return -1
         self._hash(r)
-        r.cache_tokens = max(r.cache_tokens, end)
+        r.cache_tokens = max(r.cache_tokens, end + drafts)
         self.cache.extend(r.rid, r.hashes, r.cache_tokens)
         r.pages = [b[0] for b in self.cache.request_blocks(r.rid)]
         # The checkpoint is optional: with no page to spare the boundary is simply not cached.
@@ -230,10 +234,11 @@ class Scheduler:
                 continue
             if self.cache and r.pending and (r.done + 1) % self.H == 0:
                 continue  # its row completes a hash block: wait a step for the token, to hash and cache it
-            if (ck := self._grow(r, r.done + 1)) is not None:
+            drafts = self._drafts(r)
+            if (ck := self._grow(r, r.done + 1, len(drafts))) is not None:
                 # A token still on the device is fed from there (-1): the step reads its slot's last sample.
-                rows.append((True, self._row(r, [-1] if r.pending else r.out[-1:], ck), r, True))
-        budget = self.budget - len(rows)
+                rows.append((True, self._row(r, ([-1] if r.pending else r.out[-1:]) + drafts, ck), r, True))
+        budget = self.budget - sum(len(x[1].tokens) for x in rows)
         n_prefill = 0
         for r in self._prefill_candidates():
             if budget <= 0 or n_prefill == self.max_prefill_rows or (r.slot < 0 and not self._admit(r)):
@@ -261,6 +266,27 @@ class Scheduler:
             self.cache.begin_step()
         return StepPlan([x[1] for x in rows if x[0]], [x[1] for x in rows if not x[0]], [x[2] for x in rows],
                         [x[3] for x in rows])
+
+    def _drafts(self, r: Request) -> list[int]:
+        """Draft tokens for ``r``'s decode row: for a greedy request without logprobs whose last
+        token is known, at most ``speculative``, what its length allows, and (with the prefix
+        cache) short of the next hash boundary, whose checkpoint only a plain row writes."""
+        if not self.speculative or r.pending or r.sp.temperature > 0 or r.sp.logprobs is not None:
+            return []
+        if r.spec_wait:
+            r.spec_wait -= 1
+            return []
+        k = min(self.speculative, r.sp.max_tokens - len(r.out) - 1)
+        if self.H:
+            k = min(k, -(r.done + 1) % self.H - 1)
+        return self.drafter.propose(r.tokens, k)[:k] if k > 0 else []
+
+    def drafts_landed(self, r: Request, accepted: int):
+        """``r``'s window accepted ``accepted`` drafts: after ``m`` windows in a row with none, it
+        drafts again only after ``min(2^(m-1), spec_backoff)`` plain steps (a window costs the whole
+        step its window's width in tokens)."""
+        r.spec_misses = 0 if accepted else r.spec_misses + 1
+        r.spec_wait = min(1 << (r.spec_misses - 1), self.spec_backoff) if r.spec_misses else 0
 
     @staticmethod
     def _decodes(r: Request) -> bool:
@@ -297,6 +323,6 @@ class Scheduler:
     def advance(self, plan: StepPlan):
         """The step was dispatched: every planned row's tokens are (about to be) in the cache and
         every kept row's sample is pending until it is read back."""
-        for row, r, keep in zip(plan.decode + plan.prefill, plan.requests, plan.keep):
-            r.done = row.start + len(row.tokens)
+        for i, (row, r, keep) in enumerate(zip(plan.decode + plan.prefill, plan.requests, plan.keep)):
+            r.done = row.start + (1 if i < len(plan.decode) else len(row.tokens))  # drafts: when accepted
             r.pending += keep

@@ -799,7 +799,7 @@ def parser() -> argparse.ArgumentParser:
                                                      "or a Hugging Face checkpoint directory")
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     ap.add_argument("--engine", choices=("reference", "step"), default="reference",
-                    help="reference: serving.Engine (per-slot caches; prefix cache, speculative decoding); "
+                    help="reference: serving.Engine (per-slot caches); "
                          "step: serving.StepEngine (the serving step on the unified page pool)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -809,7 +809,7 @@ def parser() -> argparse.ArgumentParser:
                     help="prefill tokens per step (step engine: the step's token budget, decode rows included)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--speculative", type=int, default=0,
-                    help="draft tokens per step for greedy requests (n-gram prompt lookup; 0 = off; reference engine)")
+                    help="draft tokens per step for greedy requests (n-gram prompt lookup; 0 = off)")
     ap.add_argument("--spec-backoff", type=int, default=16,
                     help="most plain steps a request waits after windows with no accepted draft (0 = never wait)")
     ap.add_argument("--max-prefill-rows", type=int, default=4, help="step engine: prefill chunks per step")
@@ -826,11 +826,10 @@ def parser() -> argparse.ArgumentParser:
 def make_engine(a: argparse.Namespace):
     """The engine the parsed flags ask for (not warmed up)."""
     if a.engine == "step":
-        if a.speculative:
-            raise ValueError("--speculative needs --engine reference (the step engine does not speculate yet)")
         return StepEngine(a.model, max_running=a.max_slots, max_len=a.max_len, token_budget=a.prefill_chunk,
                           max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
-                          decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets)
+                          decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,
+                          speculative=a.speculative, spec_backoff=a.spec_backoff)
     return Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
                   prefix_cache=not a.no_prefix_cache, speculative=a.speculative, spec_backoff=a.spec_backoff)
 

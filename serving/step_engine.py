@@ -2,8 +2,7 @@
 step per bucket, compiled at start-up) under :class:`serving.scheduler.Scheduler` (host: one
 token budget per step, pages, preemption).
 
-Not yet here (issue 52): speculative decoding on the step. :class:`serving.engine.Engine` remains the
-server's engine until they are.
+Speculative decoding runs on the step: a request's drafts ride in its decode row's window.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import numpy as np
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import StepKernels, model_step, pack_batch, prepare_params, stack_layers
-from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, SamplingParams, default_kernels
+from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
 from serving.scheduler import Request, Scheduler, StepPlan
@@ -60,18 +59,23 @@ def use_compile_cache(path: str):
         jax.config.update("jax_compilation_cache_dir", path)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("num_logprobs",), donate_argnums=(5, 6))
-def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, batch, *, num_logprobs):
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("window", "num_logprobs"), donate_argnums=(5, 6))
+def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, batch, *, window, num_logprobs):
     """:func:`k3jax.model.step.model_step` whose decode rows may take their token from the device:
     token -1 reads ``last[state_slot]``, the last token sampled for that slot; every live row's
-    sample is stored there. So step N + 1 can be dispatched before step N's tokens are read."""
+    last emitted token is stored there. So step N + 1 can be dispatched before step N's tokens are read."""
+    first = jnp.arange(num_decode, dtype=jnp.int32) * window  # a decode row's first token
     if num_decode:
-        dec = batch.tokens[:num_decode]
+        dec = batch.tokens[first]
         fed = jnp.where(dec < 0, last[jnp.maximum(batch.state_slot[:num_decode], 0)], dec)
-        batch = batch._replace(tokens=batch.tokens.at[:num_decode].set(fed))
-    out, pool = model_step(cfg, lay, kernels, num_decode, params, pool, batch, num_logprobs=num_logprobs)
+        batch = batch._replace(tokens=batch.tokens.at[first].set(fed))
+    out, pool = model_step(cfg, lay, kernels, num_decode, params, pool, batch, window=window,
+                           num_logprobs=num_logprobs)
+    final = out.tokens
+    if out.accepted is not None:  # a window's last emitted token
+        final = final.at[:num_decode].set(out.window[jnp.arange(num_decode), out.accepted])
     slots = jnp.where(batch.state_slot >= 0, batch.state_slot, last.shape[0])
-    return out, pool, last.at[slots].set(out.tokens, mode="drop")
+    return out, pool, last.at[slots].set(final, mode="drop")
 
 
 class Runner:
@@ -82,7 +86,7 @@ class Runner:
 
     def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
                  decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int,
-                 num_logprobs: int = MAX_LOGPROBS):
+                 num_logprobs: int = MAX_LOGPROBS, speculative: int = 0):
         self.cfg, self.params, self.lay, self.kernels = cfg, params, lay, kernels
         self.num_logprobs = num_logprobs
         self.num_pages, self.max_blocks, self.max_prefill_rows = num_pages, max_blocks, max_prefill_rows
@@ -91,52 +95,65 @@ class Runner:
             raise ValueError("decode_buckets and prefill_buckets must not be empty")
         self.pool = lay.allocate(num_pages)
         self.last = jnp.zeros(num_pages, jnp.int32)  # the last token sampled into each state slot
-        self.compiled: set[tuple[int, int]] = set()
+        self.window = speculative + 1  # decode rows per step carry up to this many tokens when any has drafts
+        self.compiled: set[tuple[int, int, int]] = set()
         self.compiles_while_serving = 0
 
-    def bucket(self, num_decode: int, prefill_tokens: int) -> tuple[int, int]:
+    def bucket(self, num_decode: int, prefill_tokens: int, drafts: bool = False) -> tuple[int, int, int]:
+        """``(decode rows, prefill tokens, window)`` of the compiled step that runs a plan."""
         pick = lambda n, buckets: 0 if n == 0 else next(b for b in buckets if b >= n)
-        return pick(num_decode, self.decode_buckets), pick(prefill_tokens, self.prefill_buckets)
+        nd = pick(num_decode, self.decode_buckets)
+        return nd, pick(prefill_tokens, self.prefill_buckets), self.window if drafts and nd else 1
 
-    def _call(self, nd: int, tp: int, decode, prefill):
-        batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd + tp,
+    def _call(self, nd: int, tp: int, w: int, decode, prefill):
+        batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd * w + tp,
                            num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
-                           num_pages=self.num_pages)
+                           num_pages=self.num_pages, window=w)
         out, self.pool, self.last = _fed_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, self.last,
-                                              batch, num_logprobs=self.num_logprobs)
+                                              batch, window=w, num_logprobs=self.num_logprobs)
         return out
 
     def warmup(self):
         """Compile every bucket on all-padding batches (they write nothing), with a progress line each."""
-        keys = [(nd, tp) for nd in (0,) + self.decode_buckets for tp in (0,) + self.prefill_buckets if nd or tp]
-        for i, (nd, tp) in enumerate(keys):
+        keys = [(nd, tp, w) for nd in (0,) + self.decode_buckets for tp in (0,) + self.prefill_buckets if nd or tp
+                for w in sorted({1, self.window if nd else 1})]
+        for i, key in enumerate(keys):
             t0 = time.perf_counter()
-            jax.block_until_ready(self._call(nd, tp, [], []).tokens)
-            self.compiled.add((nd, tp))
-            log.info("compiled step %d/%d (decode rows %d, prefill tokens %d) in %.1fs", i + 1, len(keys), nd, tp,
-                     time.perf_counter() - t0)
+            jax.block_until_ready(self._call(*key, [], []).tokens)
+            self.compiled.add(key)
+            log.info("compiled step %d/%d (decode rows %d, prefill tokens %d, window %d) in %.1fs", i + 1, len(keys),
+                     *key, time.perf_counter() - t0)
 
     def dispatch(self, plan: StepPlan):
         """Start the step for ``plan`` (JAX dispatches asynchronously) and return a handle for
         :meth:`fetch`. A decode row's token -1 is read on the device from its slot's last sample."""
-        nd, tp = self.bucket(len(plan.decode), sum(len(r.tokens) for r in plan.prefill))
-        if (nd, tp) not in self.compiled:
+        key = self.bucket(len(plan.decode), sum(len(r.tokens) for r in plan.prefill),
+                          any(len(r.tokens) > 1 for r in plan.decode))
+        if key not in self.compiled:
             self.compiles_while_serving += 1
-            self.compiled.add((nd, tp))
-            log.warning("compiling step (decode rows %d, prefill tokens %d) while serving", nd, tp)
-        out = self._call(nd, tp, plan.decode, plan.prefill)
+            self.compiled.add(key)
+            log.warning("compiling step (decode rows %d, prefill tokens %d, window %d) while serving", *key)
+        out = self._call(*key, plan.decode, plan.prefill)
+        nd = key[0]
         return out, np.array(list(range(len(plan.decode))) + [nd + i for i in range(len(plan.prefill))], np.int32)
 
     @staticmethod
     def fetch(handle, logprobs: bool = False):
-        """Wait for a dispatched step: ``(tokens i32[rows], logprobs)`` of its planned rows in plan
-        order; ``logprobs`` is ``(logprob f32[rows], top_ids i32[rows, n], top_logprobs f32[rows, n])``
-        when asked, else None (only the tokens come back from the device)."""
+        """Wait for a dispatched step: ``(tokens i32[rows], logprobs, drafts)`` of its planned rows
+        in plan order; ``logprobs`` is ``(logprob f32[rows], top_ids i32[rows, n], top_logprobs
+        f32[rows, n])`` when asked, else None; ``drafts[i]`` the draft tokens row ``i`` accepted,
+        which it emits after ``tokens[i]`` (only tokens come back from the device)."""
         out, rows = handle
         lps = None
         if logprobs:
             lps = tuple(np.asarray(x)[rows] for x in (out.logprob, out.top_ids, out.top_logprobs))
-        return np.asarray(out.tokens)[rows], lps
+        drafts = [[] for _ in rows]
+        if out.accepted is not None:
+            acc, win = np.asarray(out.accepted), np.asarray(out.window)
+            for i, row in enumerate(rows):
+                if row < len(acc):  # a decode row
+                    drafts[i] = win[row, 1 : 1 + acc[row]].tolist()
+        return np.asarray(out.tokens)[rows], lps, drafts
 
 
 class StepEngine(EngineBase):
@@ -159,6 +176,12 @@ class StepEngine(EngineBase):
         default ``$K3JAX_COMPILE_CACHE`` or ``~/.cache/k3jax/xla``), so a restart compiles nothing.
       scan_layers: run the repeating layers as a ``lax.scan`` (:func:`k3jax.model.step.layer_runs`):
         each bucket traces and compiles one period of them instead of every layer.
+      speculative: draft tokens per decode row for greedy requests without logprobs (0: off),
+        proposed by ``drafter`` (default: n-gram prompt lookup) and verified in the row's window
+        of the same step; its steps are synchronous (the accepted count decides where a request
+        goes on), and a window never reaches a hash boundary (the checkpoint is written there).
+        spec_backoff: after ``m`` windows in a row with no draft accepted, a request drafts again
+        only after ``min(2^(m-1), spec_backoff)`` plain steps.
     """
 
     def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
@@ -166,7 +189,8 @@ class StepEngine(EngineBase):
                  prefix_cache: bool = True, hash_tokens: int = 512, num_pages: int | None = None,
                  page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
                  kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE,
-                 async_dispatch: bool = True, scan_layers: bool = True):
+                 async_dispatch: bool = True, scan_layers: bool = True, speculative: int = 0, drafter=None,
+                 spec_backoff: int = 16):
         if compile_cache:
             use_compile_cache(compile_cache)
         self.cfg, ref = load_model(model, seed)
@@ -199,19 +223,22 @@ class StepEngine(EngineBase):
         kernels = kernels or StepKernels(chunk_kda=default_kernels(self.cfg).chunk_kda)
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
                              prefill_buckets=prefill_buckets,
-                             max_prefill_rows=max_prefill_rows, max_blocks=max_blocks)
+                             max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative)
+        if speculative < 0:
+            raise ValueError(f"speculative must be >= 0, got {speculative}")
         self._sched_args = dict(token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,
-                                max_chunk=max_chunk)
+                                max_chunk=max_chunk, speculative=speculative,
+                                drafter=(drafter or NgramDrafter()) if speculative else None, spec_backoff=spec_backoff)
         self.hash_tokens = hash_tokens if prefix_cache else None
         self.sched = self._scheduler()
         self._rng = np.random.default_rng(seed)
         self._live: dict[int, Request] = {}
         self._lock = threading.RLock()
-        self.async_dispatch = async_dispatch
+        self.async_dispatch = async_dispatch and not speculative
         self._inflight = None  # (plan, handle, logprobs wanted, dispatch time) of the step not yet read back
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
                         "generation_tokens": 0, "cached_tokens": 0, "steps": 0, "step_tokens": 0, "step_time_s": 0.0,
-                        "ttft_sum_s": 0.0}
+                        "ttft_sum_s": 0.0, "accepted_drafts": 0}
 
     def _scheduler(self, ids=None) -> Scheduler:
         """A scheduler over an empty pool (and an empty prefix cache); ``ids``: the request id
@@ -267,7 +294,7 @@ class StepEngine(EngineBase):
     def _land(self, plan, handle, want_lp: bool, t0: float):
         """Read a dispatched step's tokens, emit the kept ones (a request finished meanwhile drops
         its extra token), and make what it wrote matchable in the prefix cache."""
-        tokens, lps = self.runner.fetch(handle, want_lp)
+        tokens, lps, drafts = self.runner.fetch(handle, want_lp)
         self.metrics["steps"] += 1
         self.metrics["step_tokens"] += len(plan.decode) + sum(len(r.tokens) for r in plan.prefill)
         self.metrics["step_time_s"] += time.perf_counter() - t0
@@ -277,11 +304,18 @@ class StepEngine(EngineBase):
             r.pending -= 1
             if r.rid not in self._live:
                 continue
+            r.done += len(drafts[i])  # the accepted drafts are in the cache too
+            if i < len(plan.decode) and len(plan.decode[i].tokens) > 1:
+                self.sched.drafts_landed(r, len(drafts[i]))
             self.metrics["cached_tokens"] += r.cached if not r.out else 0
+            self.metrics["accepted_drafts"] += len(drafts[i])
             k = r.sp.logprobs
             lp = None if k is None else (float(lps[0][i]), [(int(t), float(x)) for t, x in
                                                              zip(lps[1][i, :k], lps[2][i, :k])])
-            self._emit_token(r, int(tok), lp)
+            for t in [int(tok)] + drafts[i]:
+                if r.rid not in self._live:  # finished by a stop token or its length
+                    break
+                self._emit_token(r, t, lp)
         self.sched.landed()
 
     def fail_running(self, exc: BaseException) -> list:

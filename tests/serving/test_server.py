@@ -617,10 +617,11 @@ def test_kimi_tiktoken_tokenizer(tmp_path):
 
 @pytest.fixture(scope="module")
 def step_server():
-    """k3jax-serve --engine step on the tiny model, with one decode and one prefill bucket (three
-    compiled steps)."""
+    """k3jax-serve --engine step --speculative 2 on the tiny model, with one decode and one prefill
+    bucket (five compiled steps: decode windows of 1 and 3 tokens)."""
     args = parser().parse_args(["--engine", "step", "--max-slots", "2", "--max-len", "128", "--prefill-chunk", "32",
-                                "--max-prefill-rows", "1", "--decode-buckets", "2", "--prefill-buckets", "32"])
+                                "--max-prefill-rows", "1", "--decode-buckets", "2", "--prefill-buckets", "32",
+                                "--speculative", "2"])
     engine = make_engine(args)
     assert isinstance(engine, StepEngine)
     engine.warmup()
@@ -653,6 +654,8 @@ def test_step_engine_serves(step_server):
     for t in threads:
         t.join()
     assert [s for s, _ in out] == [200] * 4
+    status, r = post(port, {"prompt": "abcabcabcabcabc", "max_tokens": 20, "ignore_eos": True})  # drafts
+    assert status == 200 and len(r["choices"][0]["token_ids"]) == 20
     status, text = get(port, "/metrics")
     for line in ("k3jax_num_requests_running 0.0", "k3jax_num_requests_waiting 0.0", "k3jax_free_slots "):
         assert line in text, line

@@ -241,3 +241,51 @@ def test_request_ids_stay_unique_when_the_pool_is_lost(engine):
     while engine.has_work():
         engine.step()
     assert all(r.finished.is_set() for r in reqs + more) and engine.sched.pool.num_used == 0
+
+
+class _OracleDrafter:
+    """Drafts from known outputs: the true continuation, its third token wrong (so windows accept
+    0 to 4 drafts)."""
+
+    def __init__(self, prompts, outputs):
+        self.known = [(p, o) for p, o in zip(prompts, outputs)]
+
+    def propose(self, tokens, k):
+        for p, o in self.known:
+            if tokens[: len(p)] == p and len(tokens) - len(p) <= len(o):
+                d = list(o[len(tokens) - len(p) : len(tokens) - len(p) + k])
+                if len(d) >= 3 and len(tokens) % 2:
+                    d[2] = (d[2] + 1) % 256
+                return d
+        return []
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache):
+    """Drafts verified in decode windows (4 drafts: a 5-token window through the grouped MoE), by
+    the n-gram drafter and by one that knows the answer: greedy outputs equal those without
+    speculation, drafts are accepted, nothing compiles after warm-up, and requests whose windows
+    reach the last positions of ``max_len`` end there (each row advances once per step; with the
+    prefix cache no window reaches a hash boundary)."""
+    rng = np.random.default_rng(8)
+    prompts = [[5, 6, 7] * 10, rng.integers(0, 256, 99).tolist(), [9, 4] * 40, [3] * 20]
+    max_tokens = [40, 29, 48, 60]  # up to 128 = max_len for the second and third
+    kw = dict(prefix_cache=True, hash_tokens=16, page_tokens=64, num_pages=20) if cache else {}
+
+    def run(e):
+        reqs = [e.submit(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+        while e.has_work():
+            e.step()
+        assert all(r.result.finish_reason == "length" for r in reqs)
+        assert e.sched.pool.num_used == (e.sched.pool.num_evictable if cache else 0)
+        if cache:
+            e.sched.cache.check_invariants()
+        return [r.result.token_ids for r in reqs]
+
+    want = run(_engine(**kw))
+    for drafter in (None, _OracleDrafter(prompts, want)):
+        spec = _engine(speculative=4, drafter=drafter, **kw)
+        spec.warmup()
+        assert run(spec) == want
+        assert spec.metrics["accepted_drafts"] > (100 if drafter else 0)
+        assert spec.runner.compiles_while_serving == 0

@@ -67,9 +67,10 @@ def test_greedy_equals_forward_and_nothing_compiles_after_warmup(engine, greedy_
     assert engine.sched.pool.num_used == 0 and not engine.has_work()
 
 
-@pytest.mark.parametrize("budget,async_dispatch", [(16, True), (256, False)])
+@pytest.mark.parametrize("budget,async_dispatch", [(16, True), (256, False), (8192, True)])
 def test_token_budgets_give_the_same_tokens(budget, async_dispatch, greedy_reference):
-    e = _engine(token_budget=budget, max_chunk=min(budget, 64), prefill_buckets=(min(budget, 64) * 2,),
+    chunk = budget if budget == 8192 else min(budget, 64)  # 8192: every prompt whole in one step
+    e = _engine(token_budget=budget, max_chunk=chunk, prefill_buckets=(min(budget, chunk * 2),),
                 max_len=128, async_dispatch=async_dispatch)
     assert [r.token_ids for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)] == greedy_reference
 
@@ -89,6 +90,31 @@ def test_preemption_recomputes_and_never_corrupts(cache):
     assert tight.preemptions > 0 and pool.num_used == pool.num_evictable
     if cache:
         tight.sched.cache.check_invariants()
+
+
+@pytest.mark.parametrize("cache,speculative", [(False, 0), (True, 2)])
+def test_the_smallest_pool_serves_requests_that_each_fill_it(cache, speculative):
+    """The smallest pool the engine accepts (one request of ``max_len``: its pages, its state and
+    with the prefix cache its checkpoints) and three requests that each grow to ``max_len`` (the
+    issue's 512/1023/1024 case): the oldest always progresses, all finish with the tokens of an
+    unpressed run; one page less is refused with the reason."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (60, 100, 110)]
+    max_tokens = [128 - len(p) for p in prompts]
+    kw = dict(page_tokens=16, prefix_cache=cache, hash_tokens=16, speculative=speculative)
+    smallest = 8 + (5 if cache else 1)  # 128 / 16 MLA pages and the state pages
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        _engine(num_pages=smallest - 1, **kw)
+    e = _engine(num_pages=smallest, **kw)
+    reqs = [e.submit(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+    while e.has_work():
+        e.step()
+    roomy = _engine(page_tokens=16)
+    assert [r.result.token_ids for r in reqs] == [roomy.generate([p], max_tokens=m)[0].token_ids
+                                                  for p, m in zip(prompts, max_tokens)]
+    # Without the cache admission takes a slot only, so growing requests preempt the later ones;
+    # with it a prompt's pages are taken at admission, so the later ones wait for free pages.
+    assert (e.preemptions > 0) == (not cache) and e.sched.pool.num_used == e.sched.pool.num_evictable
 
 
 def test_seeded_sampling_is_reproducible_and_stops(engine):

@@ -13,12 +13,13 @@ import json
 import platform
 import time
 
+import jax
 import numpy as np
 
 from benchmarks.common import write_json
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import pack_batch
+from k3jax.model.step import flatten_batch, pack_batch
 from serving.engine import SamplingParams
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -51,8 +52,8 @@ def host_ms(lay: PoolLayout, batch: int, prompt: int, cache: bool, steps: int = 
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = s.plan()
-        pack_batch(lay, plan.decode, plan.prefill, num_decode=batch, num_tokens=batch, num_rows=batch,
-                   max_blocks=blocks, num_pages=pages)
+        jax.device_put(flatten_batch(pack_batch(lay, plan.decode, plan.prefill, num_decode=batch, num_tokens=batch,
+                                                num_rows=batch, max_blocks=blocks, num_pages=pages, to_device=False)))
         s.advance(plan)
         ts.append(time.perf_counter() - t0)
         _land(s, plan)

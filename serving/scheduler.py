@@ -166,6 +166,11 @@ class Scheduler:
         """Pages for ``r``'s tokens up to ``end`` plus ``drafts`` draft tokens (and with the prefix
         cache, the checkpoint page of a hash boundary at ``end`` when one can be spared): the
         checkpoint page, -1 for none, or None if the pages cannot be had."""
+        if end + drafts <= len(r.pages) * self.P and (self.cache is None or end // self.H == r.done // self.H):
+            # Most decode rows: no page to add and no hash boundary reached, so nothing for the
+            # cache to register (its next call covers these tokens too).
+            r.cache_tokens = max(r.cache_tokens, end + drafts)
+            return -1
         need = max(0, -(-(end + drafts) // self.P) - len(r.pages))
         if not self._make_room(r, need):
             return None
@@ -317,8 +322,8 @@ class Scheduler:
         sp = r.sp
         src, copy = r.restore if r.restore else (None, None)
         r.restore = None
-        return Row(tokens, r.done, list(r.pages), r.slot, src=src, checkpoint=checkpoint, copy=copy,
-                   temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=r.seed)
+        return Row(tokens, r.done, list(r.pages), r.slot, src, checkpoint, copy, sp.temperature, sp.top_k, sp.top_p,
+                   r.seed)  # positional: this runs for every row of every step
 
     def advance(self, plan: StepPlan):
         """The step was dispatched: every planned row's tokens are (about to be) in the cache and

@@ -19,7 +19,8 @@ import numpy as np
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import StepKernels, model_step, pack_batch, prepare_params, stack_layers
+from k3jax.model.step import (StepKernels, batch_shapes, flatten_batch, model_step, pack_batch, prepare_params,
+                              stack_layers, unflatten_batch)
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -59,11 +60,14 @@ def use_compile_cache(path: str):
         jax.config.update("jax_compilation_cache_dir", path)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("window", "num_logprobs"), donate_argnums=(5, 6))
-def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, batch, *, window, num_logprobs):
-    """:func:`k3jax.model.step.model_step` whose decode rows may take their token from the device:
-    token -1 reads ``last[state_slot]``, the last token sampled for that slot; every live row's
-    last emitted token is stored there. So step N + 1 can be dispatched before step N's tokens are read."""
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("shapes", "window", "num_logprobs"),
+         donate_argnums=(5, 6))
+def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs):
+    """:func:`k3jax.model.step.model_step` on a flattened batch (:func:`k3jax.model.step.flatten_batch`)
+    whose decode rows may take their token from the device: token -1 reads ``last[state_slot]``,
+    the last token sampled for that slot; every live row's last emitted token is stored there.
+    So step N + 1 can be dispatched before step N's tokens are read."""
+    batch = unflatten_batch(ints, floats, shapes)
     first = jnp.arange(num_decode, dtype=jnp.int32) * window  # a decode row's first token
     if num_decode:
         dec = batch.tokens[first]
@@ -108,9 +112,11 @@ class Runner:
     def _call(self, nd: int, tp: int, w: int, decode, prefill):
         batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd * w + tp,
                            num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
-                           num_pages=self.num_pages, window=w)
+                           num_pages=self.num_pages, window=w, to_device=False)
+        ints, floats = jax.device_put(flatten_batch(batch))
         out, self.pool, self.last = _fed_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, self.last,
-                                              batch, window=w, num_logprobs=self.num_logprobs)
+                                              ints, floats, shapes=batch_shapes(batch), window=w,
+                                              num_logprobs=self.num_logprobs)
         return out
 
     def warmup(self):

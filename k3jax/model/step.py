@@ -22,6 +22,8 @@ context; a paged kernel replaces it (issue 51).
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, NamedTuple
@@ -557,12 +559,12 @@ class Row(NamedTuple):
 
 
 def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_decode: int, num_tokens: int,
-               num_rows: int, max_blocks: int, num_pages: int, window: int = 1) -> StepBatch:
+               num_rows: int, max_blocks: int, num_pages: int, window: int = 1, to_device: bool = True) -> StepBatch:
     """Pack rows into a :class:`StepBatch` of the given bucket: ``num_decode`` decode rows of
     ``window`` tokens (a row's last sampled token and up to ``window - 1`` drafts), prefill rows
     after them, ``num_tokens`` tokens and ``num_rows`` rows in all. Raises ``ValueError`` for a
     batch over its bucket, a row whose context passes its block table, or a page or slot id
-    outside ``[0, num_pages)``."""
+    outside ``[0, num_pages)``. ``to_device=False``: numpy arrays (see :func:`flatten_batch`)."""
     if len(decode) > num_decode or any(not 1 <= len(r.tokens) <= window for r in decode):
         raise ValueError(f"{len(decode)} decode rows (1 to {window} tokens each) for a bucket of {num_decode}")
     if num_decode + len(prefill) > num_rows:
@@ -570,36 +572,70 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
     n_tok = num_decode * window + sum(len(r.tokens) for r in prefill)
     if n_tok > num_tokens:
         raise ValueError(f"{n_tok} tokens exceed the bucket of {num_tokens}")
-    R = num_rows
-    out = dict(tokens=np.zeros(num_tokens, np.int32), cu_seqlens=np.zeros(R + 1, np.int32),
-               start=np.zeros(R, np.int32), block_tables=np.full((R, max_blocks), -1, np.int32),
-               state_slot=np.full(R, -1, np.int32), state_src=np.full(R, -1, np.int32),
-               checkpoint=np.full(R, -1, np.int32), copy_src=np.full(R, -1, np.int32),
-               copy_dst=np.full(R, -1, np.int32), draft=np.zeros(R, np.int32), temperature=np.zeros(R, np.float32),
-               top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32), seed=np.zeros(R, np.uint32))
-    placed = [(i, r) for i, r in enumerate(decode)] + [(num_decode + i, r) for i, r in enumerate(prefill)]
-    lens = np.zeros(R, np.int32)
+    R, rows = num_rows, decode + prefill
+    at = np.concatenate([np.arange(len(decode)), num_decode + np.arange(len(prefill))]).astype(np.int64)
+    f = Row(*(list(c) for c in zip(*rows))) if rows else Row(*[[] for _ in Row._fields])  # per field, over rows
+    n, npg = np.array([len(t) for t in f.tokens], np.int64), np.array([len(p) for p in f.pages], np.int64)
+    start, slot, ckpt = (np.array(x, np.int64) for x in (f.start, f.slot, f.checkpoint))
+    src = np.array([-2 if x is None else x for x in f.src], np.int64)
+    src = np.where(src == -2, np.where(start > 0, slot, -1), src)
+    copy = np.array([c or (-1, -1) for c in f.copy], np.int64).reshape(len(rows), 2)
+    pages = np.fromiter(itertools.chain.from_iterable(f.pages), np.int64, int(npg.sum()))
+    for i in np.flatnonzero((start + n > npg * lay.page_tokens) | (npg > max_blocks))[:1]:
+        raise ValueError(f"row {at[i]}: context {start[i] + n[i]} exceeds its block table "
+                         f"({npg[i]} pages of {lay.page_tokens} tokens, bucket {max_blocks} pages)")
+    ids = np.concatenate([slot, ckpt, src, copy.ravel(), pages])
+    if np.any((ids < -1) | (ids >= num_pages)) or np.any(slot < 0):
+        bad = next(i for i, r in enumerate(rows) if r.slot < 0 or any(
+            not -1 <= p < num_pages for p in [r.slot, r.checkpoint, src[i], *r.pages, *(r.copy or ())]))
+        r = rows[bad]
+        raise ValueError(f"row {at[bad]}: page or slot id outside [0, {num_pages}): "
+                         f"{[r.slot, r.checkpoint, *r.pages, *(r.copy or ()), src[bad]]}")
+    excl = lambda x: np.cumsum(x) - x  # exclusive prefix sums
+    lens = np.zeros(R, np.int64)
     lens[:num_decode] = window
-    for i, r in placed:
-        n = len(r.tokens)
-        lens[i] = window if i < num_decode else n
-        if r.start + n > len(r.pages) * lay.page_tokens or len(r.pages) > max_blocks:
-            raise ValueError(f"row {i}: context {r.start + n} exceeds its block table "
-                             f"({len(r.pages)} pages of {lay.page_tokens} tokens, bucket {max_blocks} pages)")
-        ids = [r.slot, r.checkpoint, *r.pages, *(r.copy or ())] + ([] if r.src is None else [r.src])
-        if any(not (0 <= p < num_pages) for p in ids if p != -1) or r.slot < 0:
-            raise ValueError(f"row {i}: page or slot id outside [0, {num_pages}): {ids}")
-        t0 = i * window if i < num_decode else num_decode * window + sum(len(x.tokens) for x in prefill[: i - num_decode])
-        out["tokens"][t0 : t0 + n] = r.tokens
-        out["start"][i] = r.start
-        out["block_tables"][i, : len(r.pages)] = r.pages
-        out["state_slot"][i] = r.slot
-        out["state_src"][i] = r.src if r.src is not None else (r.slot if r.start else -1)
-        out["checkpoint"][i] = r.checkpoint
-        out["draft"][i] = n - 1 if i < num_decode else 0
-        if r.copy is not None:
-            out["copy_src"][i], out["copy_dst"][i] = r.copy
-        out["temperature"][i], out["top_k"][i], out["top_p"][i], out["seed"][i] = (r.temperature, r.top_k, r.top_p,
-                                                                                     r.seed)
-    out["cu_seqlens"][1:] = np.cumsum(lens)
-    return StepBatch(**jax.device_put(out))  # one call for every array
+    lens[at[len(decode):]] = n[len(decode):]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    tokens = np.zeros(num_tokens, np.int32)
+    tokens[np.repeat(cu[at], n) + np.arange(n.sum()) - np.repeat(excl(n), n)] = np.fromiter(
+        itertools.chain.from_iterable(f.tokens), np.int64, int(n.sum()))
+    block_tables = np.full((R, max_blocks), -1, np.int32)
+    block_tables[np.repeat(at, npg), np.arange(npg.sum()) - np.repeat(excl(npg), npg)] = pages
+    out = dict(tokens=tokens, cu_seqlens=cu.astype(np.int32), block_tables=block_tables)
+    for name, vals, fill, dtype in (
+            ("start", start, 0, np.int32), ("state_slot", slot, -1, np.int32), ("state_src", src, -1, np.int32),
+            ("checkpoint", ckpt, -1, np.int32), ("copy_src", copy[:, 0], -1, np.int32),
+            ("copy_dst", copy[:, 1], -1, np.int32), ("draft", np.where(at < num_decode, n - 1, 0), 0, np.int32),
+            ("temperature", f.temperature, 0, np.float32), ("top_k", f.top_k, 0, np.int32),
+            ("top_p", f.top_p, 1, np.float32), ("seed", np.array(f.seed, np.uint64), 0, np.uint32)):
+        out[name] = np.full(R, fill, dtype)
+        out[name][at] = vals
+    return StepBatch(**(jax.device_put(out) if to_device else out))  # one call for every array
+
+
+_FLOAT_FIELDS = ("temperature", "top_p")
+
+
+def flatten_batch(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+    """A host batch as one ``int32`` and one ``float32`` vector (two host->device copies, not
+    fourteen); :func:`unflatten_batch` inverts it inside the step."""
+    ints = [np.asarray(x).view(np.int32).ravel() for name, x in zip(StepBatch._fields, batch)
+            if name not in _FLOAT_FIELDS]
+    return np.concatenate(ints), np.concatenate([batch.temperature, batch.top_p])
+
+
+def batch_shapes(batch: StepBatch) -> tuple[tuple[int, ...], ...]:
+    """The static shapes :func:`unflatten_batch` needs."""
+    return tuple(np.shape(x) for x in batch)
+
+
+def unflatten_batch(ints, floats, shapes) -> StepBatch:
+    """Inverse of :func:`flatten_batch` (jittable; ``shapes`` from :func:`batch_shapes`)."""
+    out, offs = {}, {"i": 0, "f": 0}
+    for name, shape in zip(StepBatch._fields, shapes):
+        kind, src = ("f", floats) if name in _FLOAT_FIELDS else ("i", ints)
+        size = math.prod(shape)
+        out[name] = src[offs[kind] : offs[kind] + size].reshape(shape)
+        offs[kind] += size
+    out["seed"] = jax.lax.bitcast_convert_type(out["seed"], jnp.uint32)
+    return StepBatch(**out)

@@ -99,12 +99,15 @@ def mlp(cfg: ModelConfig, p, x):
     return linear(glu(cfg, linear(x, p["gate"]), linear(x, p["up"])), p["down"])
 
 
-def attn_res_mix(sources, proj, norm, eps):
+def attn_res_mix(sources, proj, norm, eps, live=None):
     """Block Attention Residuals: ``sum_j softmax_j(logit) src_j`` over ``sources [S, T, D]`` with
-    ``logit_j = sum_c RMSNorm(src_j)[c] norm[c] proj[c]`` (no 1/sqrt(D)). Returns ``f32[T, D]``."""
+    ``logit_j = sum_c RMSNorm(src_j)[c] norm[c] proj[c]`` (no 1/sqrt(D)); only the sources where
+    ``live bool[S]`` (all when None; the others must be finite). Returns ``f32[T, D]``."""
     src = sources.astype(f32)
     unit = src * jax.lax.rsqrt(jnp.mean(src * src, axis=-1, keepdims=True) + eps)
     logit = jnp.einsum("std,d->st", unit, norm.astype(f32) * proj.astype(f32), precision=HIGHEST)
+    if live is not None:
+        logit = jnp.where(live[:, None], logit, -jnp.inf)
     return jnp.einsum("st,std->td", jax.nn.softmax(logit, axis=0), src, precision=HIGHEST)
 
 

@@ -396,10 +396,8 @@ def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int, int], ...]:
     """The runs of layers a step scans over: ``(start, period, count)`` with layers
     ``start + n * period + j`` of one kind (attention and MLP type) for each ``j`` and every
     ``n < count``; picked greedily, most layers saved first. A scanned run compiles one period
-    instead of ``count`` (Kimi-Linear-48B: layers 4-23, five periods of 3 KDA + 1 MLA). None for
-    Block AttnRes (K3), whose trunk carries a growing list of block sums."""
-    if cfg.attn_res_block_size is not None:
-        return ()
+    instead of ``count`` (Kimi-Linear-48B: layers 1-24, six periods of 3 KDA + 1 MLA; Kimi K3:
+    layers 1-88, 22 periods)."""
     kinds = list(zip(cfg.layer_types, cfg.mlp_types))
     runs, free = [], [True] * cfg.num_layers
 
@@ -458,6 +456,49 @@ def layer_shapes(cfg: ModelConfig, params) -> list:
     return out
 
 
+class StepTrunk(NamedTuple):
+    """The residual trunk of a step (:class:`k3jax.model.model.Trunk`'s sums) as one fixed-shape
+    pytree, so a scan over layers can carry it: ``x`` the current partial sum and, for Block
+    AttnRes, the sealed block sums in ``blocks f32[nb, T, D]`` of which the first ``n`` are live."""
+
+    x: jax.Array
+    blocks: jax.Array | None = None
+    n: jax.Array | int = 0
+
+    @classmethod
+    def start(cls, cfg: ModelConfig, x):
+        bs = cfg.attn_res_block_size
+        return cls(x) if bs is None else cls(x, jnp.zeros((-(-cfg.num_layers // bs), *x.shape), f32), 0)
+
+    def _mix(self, proj, norm, eps):
+        live = jnp.arange(self.blocks.shape[0] + 1) < self.n
+        live = live.at[-1].set(True)  # x itself
+        return attn_res_mix(jnp.concatenate([self.blocks, self.x[None]]), proj, norm, eps, live)
+
+    def attn_input(self, cfg: ModelConfig, i, lp):
+        """The attention input of layer ``i`` (may be traced); the trunk after sealing a block."""
+        bs = cfg.attn_res_block_size
+        if bs is None:
+            return self.x, self
+        h = self._mix(lp["attn_res_proj"], lp["attn_res_norm"], cfg.rms_norm_eps)  # x alone: x
+        seal = i % bs == 0
+        sealed = StepTrunk(jnp.zeros_like(self.x), self.blocks.at[self.n].set(self.x), self.n + 1)
+        if isinstance(seal, bool):
+            return h, sealed if seal else self
+        return h, jax.tree.map(lambda a, b: jnp.where(seal, a, b), sealed, self)
+
+    def mlp_input(self, cfg: ModelConfig, lp, attn_out):
+        t = self._replace(x=self.x + attn_out)
+        if cfg.attn_res_block_size is None:
+            return t.x, t
+        return t._mix(lp["mlp_res_proj"], lp["mlp_res_norm"], cfg.rms_norm_eps), t
+
+    def output(self, cfg: ModelConfig, params):
+        if cfg.attn_res_block_size is None:
+            return self.x
+        return self._mix(params["out_res_proj"], params["out_res_norm"], cfg.rms_norm_eps)
+
+
 def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
                batch: StepBatch, *, window: int = 1, num_logprobs: int = 0, return_logits: bool = False):
     """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``. With
@@ -466,28 +507,31 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
     rows = _rows(batch, num_decode, window)
     pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
     dt = params["embed"].dtype
-    trunk = Trunk(cfg, params["embed"][batch.tokens].astype(f32))
+    trunk = StepTrunk.start(cfg, params["embed"][batch.tokens].astype(f32))
     index = [sum(t == kind for t in cfg.layer_types[:i]) for i, kind in enumerate(cfg.layer_types)]
     windows = []  # (KDA layer indices, their decode windows stacked over them)
 
-    def layer(i, lp, trunk, pool, n=0, per=(0, 0)):
-        """Layer ``i`` (+ ``n`` periods of a run with ``per`` KDA and MLA layers each) on ``trunk``;
-        returns the pool and the KDA layer's decode window (or None)."""
-        h = rms_norm(trunk.attn_input(i, lp), lp["input_norm"], cfg.rms_norm_eps).astype(dt)
+    def layer(i, lp, trunk, pool, n=0, per=(0, 0), P=0):
+        """Layer ``i + n * P`` (the ``n``-th period of a run of ``P`` layers with ``per`` KDA and MLA
+        layers each; ``n`` may be traced) on ``trunk``; returns the trunk, the pool and the KDA
+        layer's decode window (or None)."""
+        h, trunk = trunk.attn_input(cfg, i + n * P, lp)
+        h = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps).astype(dt)
         win = None
         if cfg.layer_types[i] == "kda":
             h, pool, win = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[0], batch, rows)
         else:
             h, pool = mla_layer(cfg, lay, lp["attn"], h, pool, index[i] + n * per[1], batch, rows)
-        h = rms_norm(trunk.mlp_input(lp, h), lp["post_norm"], cfg.rms_norm_eps).astype(dt)
-        trunk.add(moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(cfg, lp["mlp"], h))
-        return pool, win
+        h, trunk = trunk.mlp_input(cfg, lp, h)
+        h = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps).astype(dt)
+        mlp = moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(cfg, lp["mlp"], h)
+        return trunk._replace(x=trunk.x + mlp), pool, win
 
     runs = {s: (P, c, group) for (s, P, c), group in zip(layer_runs(cfg), params.get("runs", ()))}
     i = 0
     while i < cfg.num_layers:
         if i not in runs:
-            pool, win = layer(i, params["layers"][i], trunk, pool)
+            trunk, pool, win = layer(i, params["layers"][i], trunk, pool)
             if win is not None:
                 windows.append((jnp.full((1,), index[i], i32), jax.tree.map(lambda a: a[None], win)))
             i += 1
@@ -497,22 +541,22 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         per = (kinds.count("kda"), kinds.count("mla"))
 
         def period(carry, xs, i=i, P=P, per=per):
-            x, pool = carry
+            t, pool = carry
             n, lps = xs
-            t, wins = Trunk(cfg, x), []
+            wins = []
             for j in range(P):
-                pool, win = layer(i + j, lps[j], t, pool, n, per)
+                t, pool, win = layer(i + j, lps[j], t, pool, n, per, P)
                 if win is not None:
                     wins.append((index[i + j] + n * per[0], win))
-            return (t.partial, pool), wins
+            return (t, pool), wins
 
-        (trunk.partial, pool), wins = jax.lax.scan(period, (trunk.partial, pool), (jnp.arange(c, dtype=i32), group))
+        (trunk, pool), wins = jax.lax.scan(period, (trunk, pool), (jnp.arange(c, dtype=i32), group))
         windows += wins
         i += P * c
     last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
     if window > 1:  # a decode row samples after its first token (its drafts are checked below)
         last = last.at[:num_decode].set(jnp.arange(num_decode, dtype=i32) * window)
-    out = trunk.output(params)
+    out = trunk.output(cfg, params)
     h = rms_norm(out[last], params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = linear(h, head)

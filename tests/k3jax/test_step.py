@@ -97,7 +97,7 @@ def _reference(cfg, params, seqs):
 
 
 @pytest.mark.parametrize("config,scan", [("configs/tiny.json", False), ("configs/tiny_k3.json", False),
-                                         ("seven_layers", True)])
+                                         ("seven_layers", True), ("configs/tiny_k3.json", True)])
 def test_step_matches_forward_float32(config, scan):
     cfg, params = _tiny(**SEVEN_LAYERS) if config == "seven_layers" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
@@ -124,7 +124,7 @@ def test_layer_runs_find_the_repeating_period():
         assert covered.isdisjoint(range(s, s + P * c))
         covered |= set(range(s, s + P * c))
     assert len(covered) >= 20  # 24 of its 27 layers: one compiled period of 4 instead of 24 layers
-    assert layer_runs(_tiny("configs/tiny_k3.json")[0]) == ()  # Block AttnRes: unrolled
+    assert layer_runs(_tiny("configs/tiny_k3.json")[0]) == ((1, 2, 2),)  # Block AttnRes too
 
 
 def test_scanned_step_writes_the_pool_as_the_unrolled_one():

@@ -56,7 +56,8 @@ def main():
     jax.config.update("jax_compilation_cache_dir", None)  # measure compiles, not cache hits
     cfg = ModelConfig.from_json(a.config)
     if a.shrink:
-        cfg = dataclasses.replace(cfg, **{k: v for k, v in SMALL.items() if hasattr(cfg, k)})
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in SMALL.items() if hasattr(cfg, k)},
+                                  **({"latent_moe_size": 32} if cfg.latent_moe_size else {}))
     res = dict(config=a.config, shrink=a.shrink, layers=cfg.num_layers, runs=layer_runs(cfg), decode=a.decode,
                tokens=a.tokens, device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                date=datetime.date.today().isoformat())

@@ -3,8 +3,9 @@
 Reads single-file and sharded (``model.safetensors.index.json``) checkpoints, float32 or bf16,
 in the hub's original tensor names (``q_conv1d``, ``block_sparse_moe.experts.N.w1``, ...) or
 transformers' runtime names (``conv1d``, ``forget_gate.*``, ``experts.gate_up_proj``). Per-expert
-weights are stacked into ``gate_up [E, 2I, D]`` and ``down [E, D, I]``. Missing, unexpected or
-mis-shaped tensors raise :class:`CheckpointError` naming them.
+weights are stacked into ``gate_up [E, 2I, D]`` and ``down [E, D, I]`` (MXFP4 ones dequantised to
+float32, or kept packed: ``keep_mxfp4``). Missing, unexpected or mis-shaped tensors raise
+:class:`CheckpointError` naming them.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import json
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from k3jax.model.config import ModelConfig
+from k3jax.model.mxfp4 import MXFP4
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64, "I64": np.int64,
            "I32": np.int32, "U8": np.uint8}
@@ -77,12 +80,14 @@ def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (values.reshape(*scale.shape, -1) * factor[..., None]).reshape(values.shape)
 
 
-def load_hf_checkpoint(path: str, dtype=None):
+def load_hf_checkpoint(path: str, dtype=None, keep_mxfp4: bool = False):
     """Read ``config.json`` and the safetensors weights of a Kimi Linear checkpoint.
 
     Args:
       path: checkpoint directory.
       dtype: cast every weight to this dtype (default: keep the stored dtype).
+      keep_mxfp4: MXFP4 routed experts stay packed: ``gate_up`` and ``down`` as
+        :class:`k3jax.model.mxfp4.MXFP4` (``axis=-1``; ``dtype`` does not apply to them).
     Returns:
       ``(config, params)``; params as described in :mod:`k3jax.model.model`.
     """
@@ -109,7 +114,8 @@ def load_hf_checkpoint(path: str, dtype=None):
         return take(name, (HV,))
 
     def expert(name, shape):
-        """A routed expert's ``[out, in]`` weight: dense, or MXFP4 dequantised to float32."""
+        """A routed expert's ``[out, in]`` weight: dense, or MXFP4 dequantised to float32 (or kept
+        packed: ``keep_mxfp4``)."""
         if cfg.expert_format != "mxfp4":
             return take(name + ".weight", shape)
         out, inp = shape
@@ -117,6 +123,8 @@ def load_hf_checkpoint(path: str, dtype=None):
         scale = take(name + ".weight_scale", (out, inp // 32), cast=False)
         if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
             raise CheckpointError(f"{name}: MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+        if keep_mxfp4:
+            return MXFP4(packed, scale)
         w = dequantize_mxfp4(np.asarray(packed), np.asarray(scale))
         return jnp.asarray(w if dtype is None else w.astype(dtype))
 
@@ -173,9 +181,11 @@ def load_hf_checkpoint(path: str, dtype=None):
                 down = take(m + "experts.down_proj", (E, Z, I))
             else:
                 e = m + "experts.{}.{}"
-                gate_up = jnp.stack([jnp.concatenate([expert(e.format(j, "w1"), (I, Z)), expert(e.format(j, "w3"), (I, Z))])
-                                     for j in range(E)])
-                down = jnp.stack([expert(e.format(j, "w2"), (Z, I)) for j in range(E)])
+                cat = lambda *ws: jax.tree.map(lambda *a: jnp.concatenate(a), *ws)  # arrays or MXFP4
+                stack = lambda ws: jax.tree.map(lambda *a: jnp.stack(a), *ws)
+                gate_up = stack([cat(expert(e.format(j, "w1"), (I, Z)), expert(e.format(j, "w3"), (I, Z)))
+                                 for j in range(E)])
+                down = stack([expert(e.format(j, "w2"), (Z, I)) for j in range(E)])
             Is = I * cfg.n_shared_experts
             mlp = dict(
                 router=take(m + "gate.weight", (E, D)), bias=take(m + "gate.e_score_correction_bias", (E,)),

@@ -11,10 +11,10 @@ Params (weights in Hugging Face ``[out, in]`` orientation; K3's additions in bra
 ``o_norm [K]``, ``o [D, HV*K]``; MLA: ``q [nh*(nope+rope), D]`` or ``q_a``/``q_a_norm``/``q_b``,
 ``kv_a [L+R, D]``, ``kv_a_norm [L]``, ``kv_b [nh*(nope+v), L]``, ``o [D, nh*v]``, [``g [nh*v, D]``]) and
 an ``mlp`` dict (dense: ``gate, up [I, D]``, ``down [D, I]``; MoE: ``router [E, D]``, ``bias [E]``,
-``gate_up [E, 2I, Z]``, ``down [E, Z, I]``, ``shared`` dense MLP, [``latent_down [Z, D]``,
-``latent_up [D, Z]``, ``latent_norm [Z]``], ``Z = D`` without a latent); [per layer
-``attn_res_proj, attn_res_norm, mlp_res_proj, mlp_res_norm [D]``; top level ``out_res_proj,
-out_res_norm [D]``].
+``gate_up [E, 2I, Z]``, ``down [E, Z, I]`` (arrays, or packed :class:`~k3jax.model.mxfp4.MXFP4`),
+``shared`` dense MLP, [``latent_down [Z, D]``, ``latent_up [D, Z]``, ``latent_norm [Z]``], ``Z = D``
+without a latent); [per layer ``attn_res_proj, attn_res_norm, mlp_res_proj, mlp_res_norm [D]``;
+top level ``out_res_proj, out_res_norm [D]``].
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.model.config import ModelConfig
+from k3jax.model.mxfp4 import dense
 from k3jax.ops.conv import short_conv
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_gate, l2norm, naive_recurrent_kda
 
@@ -208,9 +209,10 @@ def moe(cfg: ModelConfig, p, x):
     """Routed experts plus shared experts. Few tokens (decode) gather their experts' weights;
     many tokens (prefill) sort by expert and run two grouped matmuls. Stable LatentMoE (K3): the
     router reads ``x``, the experts a latent ``latent_down x``, and their weighted sum goes back
-    through an RMSNorm and ``latent_up``."""
+    through an RMSNorm and ``latent_up``. Packed MXFP4 experts are dequantised whole here."""
     T = x.shape[0]
     I = cfg.moe_intermediate_size
+    p = dict(p, gate_up=dense(p["gate_up"]), down=dense(p["down"]))
     w, idx = route(cfg, p, x)
     z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
     if T * cfg.num_experts_per_tok <= cfg.num_experts:

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.model.config import ModelConfig
-from k3jax.model.model import Trunk, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm, route
+from k3jax.model.model import (attn_res_mix, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm,
+                               route)
+from k3jax.model.mxfp4 import MXFP4, dequantize
 from k3jax.model.pool import PoolLayout, copy_pages, read_kda, read_latents, token_pages, write_kda, write_latents
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
@@ -148,8 +150,9 @@ _FLOAT32_PARAMS = {"conv", "A_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm"
 
 
 def prepare_layer(cfg: ModelConfig, i: int, lp, dtype=jnp.bfloat16):
-    """:func:`prepare_params` for layer ``i`` alone."""
-    cast = lambda tree: {k: (cast(v) if isinstance(v, dict) else
+    """:func:`prepare_params` for layer ``i`` alone. MXFP4 experts stay packed (``[E, in, out]``,
+    ``axis=-2``; :func:`moe` dequantises them)."""
+    cast = lambda tree: {k: (cast(v) if isinstance(v, dict) else v if isinstance(v, MXFP4) else
                              jnp.asarray(v, f32 if k in _FLOAT32_PARAMS else dtype)) for k, v in tree.items()}
     a, mp = dict(lp["attn"]), dict(lp["mlp"])
     if cfg.layer_types[i] == "kda":
@@ -158,8 +161,8 @@ def prepare_layer(cfg: ModelConfig, i: int, lp, dtype=jnp.bfloat16):
         kv_b = jnp.asarray(a.pop("kv_b")).reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
         a["w_uk"], a["w_uv"] = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
     if cfg.mlp_types[i] == "moe":
-        mp["gate_up"] = jnp.swapaxes(jnp.asarray(mp["gate_up"]), 1, 2)
-        mp["down"] = jnp.swapaxes(jnp.asarray(mp["down"]), 1, 2)
+        for k in ("gate_up", "down"):
+            mp[k] = mp[k].mT if isinstance(mp[k], MXFP4) else jnp.swapaxes(jnp.asarray(mp[k]), 1, 2)
     trunk = {k: jnp.asarray(v, f32) for k, v in lp.items() if k not in ("attn", "mlp")}  # norms, AttnRes
     return dict(**trunk, attn=cast(a), mlp=cast(mp))
 
@@ -347,7 +350,9 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: Ste
 
 def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
     """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
-    (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`)."""
+    (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).
+    Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
+    their grouped matmul."""
     I = cfg.moe_intermediate_size
     w, idx = route(cfg, p, x.astype(f32))
     z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
@@ -356,6 +361,8 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
     tok = order // cfg.num_experts_per_tok
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(i32)
     def grouped(a, w):
+        if isinstance(w, MXFP4):
+            w = dequantize(w, x.dtype)
         a, w, prec = _operands(a, w)
         return kernels.ragged_dot(a, w, sizes, preferred_element_type=f32, precision=prec)
 

@@ -188,6 +188,12 @@ def _mla_view(lay: PoolLayout, pool):
     return pool.reshape(pool.shape[0], lay.page_words // lay.row_words, lay.row_words)
 
 
+def latent_view(lay: PoolLayout, pool):
+    """The pool as latent rows ``[N, page_words / row_words, L + R]`` of ``latent_dtype`` (a bitcast,
+    no copy): the input of a paged attention kernel."""
+    return _from_words(_mla_view(lay, pool), lay.latent_dtype)
+
+
 def token_pages(lay: PoolLayout, block_tables, rows, positions):
     """(page, token-in-page) of each token: ``block_tables i32[R, blocks]``, ``rows`` and
     ``positions`` of equal shape; page -1 where the position is past the block table."""

@@ -36,7 +36,8 @@ from k3jax.model.config import ModelConfig
 from k3jax.model.model import (attn_res_mix, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm,
                                route)
 from k3jax.model.mxfp4 import MXFP4, dequantize
-from k3jax.model.pool import PoolLayout, copy_pages, read_kda, read_latents, token_pages, write_kda, write_latents
+from k3jax.model.pool import (PoolLayout, copy_pages, latent_view, read_kda, read_latents, token_pages, write_kda,
+                              write_latents)
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
 
@@ -77,10 +78,13 @@ def _grouped_implementations() -> tuple[str, ...] | None:
 class StepKernels:
     """Device ops of the serving step. ``chunk_kda`` has the varlen contract of
     :func:`k3jax.ops.kda.chunk_kda` (serving passes the Pallas prefill on a GPU); ``ragged_dot``
-    that of :func:`jax.lax.ragged_dot` with ``preferred_element_type``."""
+    that of :func:`jax.lax.ragged_dot` with ``preferred_element_type``; ``mla_decode`` (None: the
+    pure-JAX attention over the gathered bucket) that of
+    :func:`pallas_kernels.mla.paged_mla_decode`, for decode and window tokens."""
 
     chunk_kda: Callable = chunk_kda
     ragged_dot: Callable = grouped_matmul
+    mla_decode: Callable | None = None
 
 
 class StepBatch(NamedTuple):
@@ -316,9 +320,11 @@ def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
     return mm("...hl,hvl->...hv", mm("...hs,sl->...hl", a, ctx[:, :L]), w_uv)
 
 
-def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: StepBatch, rows: _Rows):
+def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li, batch: StepBatch,
+              rows: _Rows):
     """MLA sublayer (no positional encoding, as in Kimi Linear) with absorbed ``kv_b``: writes the
-    tokens' latents into their pages, then every token attends over its row's latents."""
+    tokens' latents into their pages, then every token attends over its row's latents (decode
+    tokens through ``kernels.mla_decode`` when given)."""
     T = x.shape[0]
     nope, rope, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     q, latent = mla_inputs(cfg, p, x, linear)
@@ -326,21 +332,32 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, p, x, pool, li: int, batch: Ste
     pool = write_latents(lay, pool, li, jnp.where(rows.live, page, -1), off, latent)
     q_lat, q_rope = mm("thn,hnl->thl", q[..., :nope], p["w_uk"]), q[..., nope:]
     S = batch.block_tables.shape[1] * lay.page_tokens
+    nd, nt, R = rows.nd, rows.nt, batch.start.shape[0]
     ends = batch.start + batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
-    ctx = read_latents(lay, pool, li, batch.block_tables, S, ends)  # [R, S, L + R]
+    paged = nd and kernels.mla_decode is not None
+    first = nd if paged else 0  # the first row gathered
+    if R > first:  # rows attending over gathered latents: [R - first, S, L + R]
+        ctx = read_latents(lay, pool, li, batch.block_tables[first:], S, ends[first:])
     scale = (nope + rope) ** -0.5
     attend = partial(latent_attention, L=L, scale=scale, w_uv=p["w_uv"])
     s = jnp.arange(S, dtype=i32)
-    nd, nt, R = rows.nd, rows.nt, batch.start.shape[0]
     outs = []
-    if nd:  # each decode row's window of W queries over its own latents
+    if paged:  # each decode token over its own pages
+        lat = latent_view(lay, pool)
+        tables = batch.block_tables[jnp.minimum(rows.row[:nt], R - 1)]
+        o = kernels.mla_decode(q_lat[:nt].astype(lat.dtype), q_rope[:nt].astype(lat.dtype), lat, tables,
+                               jnp.where(rows.live[:nt], rows.pos[:nt] + 1, 0), li, page_tokens=lay.page_tokens,
+                               scale=scale)
+        outs.append(mm("thl,hvl->thv", o, p["w_uv"]))
+    elif nd:  # each decode row's window of W queries over its own latents
         win = lambda a: a[:nt].reshape(nd, rows.W, *a.shape[1:])
         vis = s[None, None, :] <= win(rows.pos)[..., None]
         outs.append(jax.vmap(attend)(win(q_lat), win(q_rope), ctx[:nd], vis).reshape(nt, *q_lat.shape[1:2], -1))
     if T > nt:
         def one_row(r):
             vis = (rows.row[nt:, None] == r) & (s[None, :] <= rows.pos[nt:, None])
-            return jnp.where((rows.row[nt:] == r)[:, None, None], attend(q_lat[nt:], q_rope[nt:], ctx[r], vis), 0.0)
+            out = attend(q_lat[nt:], q_rope[nt:], ctx[r - first], vis)
+            return jnp.where((rows.row[nt:] == r)[:, None, None], out, 0.0)
         outs.append(jnp.sum(jax.lax.map(one_row, jnp.arange(nd, R, dtype=i32)), axis=0))
     o = (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).reshape(T, -1)
     if cfg.mla_output_gate:
@@ -528,7 +545,7 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         if cfg.layer_types[i] == "kda":
             h, pool, win = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[0], batch, rows)
         else:
-            h, pool = mla_layer(cfg, lay, lp["attn"], h, pool, index[i] + n * per[1], batch, rows)
+            h, pool = mla_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[1], batch, rows)
         h, trunk = trunk.mlp_input(cfg, lp, h)
         h = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps).astype(dt)
         mlp = moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(cfg, lp["mlp"], h)

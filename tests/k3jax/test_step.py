@@ -3,6 +3,7 @@ rows and idle rows on the unified page pool; pages shared between rows; MoE; sam
 
 import json
 import os
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +15,12 @@ from k3jax.model.pool import PoolLayout, read_kda, read_latents, write_kda, writ
 from k3jax.model.model import route
 from k3jax.model.step import (Row, StepBatch, StepKernels, jit_step, layer_runs, moe, pack_batch, prepare_params, sample,
                               stack_layers)
+from pallas_kernels.mla import paged_mla_decode
 from tests.helpers import rel_rms
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
 BUCKET = dict(num_decode=4, num_tokens=48, num_rows=7, max_blocks=3)
+PAGED = StepKernels(mla_decode=partial(paged_mla_decode, tile=16, interpret=True))  # the Pallas paged MLA decode
 
 
 # tiny with 7 layers: layers 1-3 and 4-6 are one period (KDA, MLA, KDA; MoE) twice
@@ -37,8 +40,8 @@ class Runner:
     """Feeds known sequences through the step chunk by chunk (teacher forcing) and keeps the
     logits of each row's last token."""
 
-    def __init__(self, cfg, params, dtype, page_tokens=16, num_pages=24, scan=False):
-        self.cfg = cfg
+    def __init__(self, cfg, params, dtype, page_tokens=16, num_pages=24, scan=False, kernels=StepKernels()):
+        self.cfg, self.kernels = cfg, kernels
         self.lay = PoolLayout.for_model(cfg, page_tokens=page_tokens, latent_dtype=dtype)
         self.params = prepare_params(cfg, params, dtype)
         if scan:
@@ -54,7 +57,7 @@ class Runner:
 
     def step(self, decode, prefill, window=1):
         batch = pack_batch(self.lay, decode, prefill, num_pages=self.N, window=window, **BUCKET)
-        out, self.pool = jit_step(self.cfg, self.lay, StepKernels(), BUCKET["num_decode"], self.params, self.pool,
+        out, self.pool = jit_step(self.cfg, self.lay, self.kernels, BUCKET["num_decode"], self.params, self.pool,
                                   batch, window=window, return_logits=True)
         return out
 
@@ -96,13 +99,15 @@ def _reference(cfg, params, seqs):
     return [np.asarray(run(jnp.asarray(s))) for s in seqs]
 
 
-@pytest.mark.parametrize("config,scan", [("configs/tiny.json", False), ("configs/tiny_k3.json", False),
-                                         ("seven_layers", True), ("configs/tiny_k3.json", True)])
-def test_step_matches_forward_float32(config, scan):
+@pytest.mark.parametrize("config,scan,paged", [("configs/tiny.json", False, False), ("configs/tiny_k3.json", False, False),
+                                               ("seven_layers", True, False), ("configs/tiny_k3.json", True, True)])
+def test_step_matches_forward_float32(config, scan, paged):
+    """The step's logits equal the reference forward's, unrolled and scanned, with the paged MLA
+    decode kernel (interpreted) or the gathered attention."""
     cfg, params = _tiny(**SEVEN_LAYERS) if config == "seven_layers" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)
-    runner = Runner(cfg, params, jnp.float32, scan=scan)
+    runner = Runner(cfg, params, jnp.float32, scan=scan, kernels=PAGED if paged else StepKernels())
     assert not scan or runner.params["runs"], "the scanned case must scan"
     page0 = np.asarray(runner.pool[0])
     for seq, pos, lg in _schedule(runner, seqs):
@@ -288,8 +293,8 @@ def test_bad_batches_raise():
         pack([Row([1], 3, [0], slot=1)] * 5, [])
 
 
-@pytest.mark.parametrize("seven", [False, True])
-def test_speculative_windows_commit_the_accepted_prefix(seven):
+@pytest.mark.parametrize("seven,kernels", [(False, StepKernels()), (True, StepKernels()), (True, PAGED)])
+def test_speculative_windows_commit_the_accepted_prefix(seven, kernels):
     """Decode rows with draft windows beside a plain decode row, a sampled row and a prefill chunk:
     each row accepts its drafts up to the first that differs from the greedy token, emits those
     plus one, and leaves its state as if it had decoded them one at a time; the next step's logits
@@ -298,7 +303,7 @@ def test_speculative_windows_commit_the_accepted_prefix(seven):
     A, B, C, E = _seqs(cfg, [18, 10, 9, 12], seed=7)
     nA, nB, nE = len(A), len(B), len(E)
     pages = {10: [0, 1], 11: [2, 3], 12: [4], 13: [5, 6]}
-    plain, spec = (Runner(cfg, params, jnp.float32, scan=seven) for _ in range(2))
+    plain, spec = (Runner(cfg, params, jnp.float32, scan=seven, kernels=kernels) for _ in range(2))
     for r in (plain, spec):
         _, first = r.run([], [Row(A, 0, pages[10], slot=10), Row(B, 0, pages[11], slot=11),
                               Row(E, 0, pages[13], slot=13, temperature=1.0, seed=3)])

@@ -1,0 +1,93 @@
+"""Paged attention over MLA latents for decode and speculative-window queries (absorbed MLA):
+each query reads only its own context's pages, tile by tile, with an online softmax, instead of
+gathering the batch's whole context bucket (the pure-JAX step's form).
+
+GPU kernel on the Pallas Triton lowering (interpreted on CPU for tests). Grid ``(Q, S)``: one
+program per (query row, split of its context); a program walks its split in tiles of ``tile``
+tokens, loads each tile's latent rows from the row's page (the page id from the block table),
+and keeps ``m``, ``l`` and the weighted latent sum ``acc [H, L]`` in registers; the splits are
+merged afterwards (flash decoding). A TPU (Mosaic) version is not written yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_F32 = jnp.float32
+
+
+def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l_ref, *, page_tokens: int, tile: int,
+            per_split: int, scale: float, L: int, R: int, H: int):
+    q, sp = pl.program_id(0), pl.program_id(1)
+    lo = sp * per_split
+    hi = jnp.minimum(lo + per_split, len_ref[q])
+    base = layer_ref[0] * page_tokens
+    ql, qr = ql_ref[q], qr_ref[q]  # [H, L], [H, R]
+    dot = functools.partial(jnp.dot, preferred_element_type=_F32,
+                            precision=jax.lax.Precision.HIGHEST if ql.dtype == _F32 else None)
+
+    def body(it, carry):
+        m, l, acc = carry
+        t0 = lo + it * tile
+        page = bt_ref[q, t0 // page_tokens]
+        rows = pl.ds(base + t0 % page_tokens, tile)
+        kl, kr = lat_ref[page, rows, pl.ds(0, L)], lat_ref[page, rows, pl.ds(L, R)]  # [tile, L], [tile, R]
+        s = (dot(ql, kl.T) + dot(qr, kr.T)) * scale  # [H, tile]
+        s = jnp.where((t0 + jnp.arange(tile))[None, :] < hi, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[:, None])
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + dot(p.astype(kl.dtype), kl)
+
+    init = (jnp.full((H,), -jnp.inf, _F32), jnp.zeros((H,), _F32), jnp.zeros((H, L), _F32))
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), tile), body, init)
+    o_ref[q, sp] = acc
+    m_ref[q, sp] = m
+    l_ref[q, sp] = l
+
+
+@functools.partial(jax.jit, static_argnames=("page_tokens", "scale", "tile", "splits", "interpret"))
+def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, page_tokens: int, scale: float,
+                     tile: int = 64, splits: int | None = None, interpret: bool | None = None):
+    """``softmax(scale * (q_lat . lat[:, :L] + q_rope . lat[:, L:])) @ lat[:, :L]`` over each query
+    row's first ``lengths[i]`` tokens.
+
+    Args:
+      q_lat: ``[Q, H, L]`` (q_nope through ``w_uk``); q_rope: ``[Q, H, R]``; in the latents' dtype.
+      latents: ``[N, rows, L + R]``: page ``p``'s row ``layer * page_tokens + t`` is token ``t`` of
+        that page for MLA layer ``layer`` (:func:`k3jax.model.pool.latent_view`).
+      block_tables: ``i32[Q, blocks]`` each query row's page ids; lengths: ``i32[Q]`` tokens it
+        attends to (0: none, output 0); layer: ``i32`` scalar (may be traced).
+      page_tokens: a multiple of ``tile``; splits: programs per query row (None: enough for the
+        GPU's cores at small batch); interpret: None interprets on CPU and compiles elsewhere.
+    Returns:
+      ``f32[Q, H, L]``.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    Q, H, L = q_lat.shape
+    R = q_rope.shape[-1]
+    if page_tokens % tile:
+        raise ValueError(f"page_tokens {page_tokens} must be a multiple of tile {tile}")
+    context = block_tables.shape[1] * page_tokens
+    if splits is None:
+        splits = max(1, min(context // tile, -(-132 * 2 // max(Q, 1))))
+    per_split = -(-context // splits // tile) * tile
+    Hp = max(H, 16)  # Triton dots take at least 16 rows
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0)))
+    out_shape = (jax.ShapeDtypeStruct((Q, splits, Hp, L), _F32), jax.ShapeDtypeStruct((Q, splits, Hp), _F32),
+                 jax.ShapeDtypeStruct((Q, splits, Hp), _F32))
+    kernel = functools.partial(_kernel, page_tokens=page_tokens, tile=tile, per_split=per_split, scale=scale, L=L,
+                               R=R, H=Hp)
+    acc, m, l = pl.pallas_call(kernel, grid=(Q, splits), out_shape=out_shape, interpret=interpret,
+                               name="paged_mla_decode")(
+        block_tables.astype(jnp.int32), lengths.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+        pad(q_lat), pad(q_rope.astype(q_lat.dtype)), latents)
+    top = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))  # empty splits (m = -inf) weigh 0
+    total = jnp.sum(w * l, axis=1)
+    o = jnp.sum(w[..., None] * acc, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    return o[:, :H]

@@ -1,0 +1,78 @@
+"""The paged MLA attention kernel (interpreted on CPU) against the pure-JAX attention over
+gathered latents: random pools, shared and scattered pages, lengths 0, 1, a page boundary and a
+full block table, several splits, a traced layer index; and it lowers for an H200."""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+from k3jax.model import ModelConfig
+from k3jax.model.pool import PoolLayout, latent_view, read_latents
+from pallas_kernels.mla import paged_mla_decode
+
+
+def _reference(lay, pool, layer, bt, lengths, q_lat, q_rope, scale):
+    S = bt.shape[1] * lay.page_tokens
+    ctx = read_latents(lay, pool, layer, bt, S, lengths).astype(jnp.float32)  # [Q, S, L + R]
+    L = q_lat.shape[-1]
+    s = (jnp.einsum("qhl,qsl->qhs", q_lat.astype(jnp.float32), ctx[..., :L], precision="highest")
+         + jnp.einsum("qhr,qsr->qhs", q_rope.astype(jnp.float32), ctx[..., L:], precision="highest")) * scale
+    s = jnp.where(jnp.arange(S)[None, None, :] < lengths[:, None, None], s, -jnp.inf)
+    a = jnp.nan_to_num(jax.nn.softmax(s, axis=-1))  # a row of length 0 gives 0
+    return jnp.einsum("qhs,qsl->qhl", a, ctx[..., :L], precision="highest")
+
+
+def _case(dtype, seed, H=2, L=32, R=16, page_tokens=64, blocks=3, N=12, Q=6):
+    """A pool of random latents (finite: the kernel reads only rows inside a query's length, but
+    the check compares every output), block tables of distinct random pages (one ending early)
+    and lengths 0, 1, one page, a page and a bit, the whole table, a page boundary minus one."""
+    cfg = ModelConfig.from_json("configs/tiny.json")
+    cfg = dataclasses.replace(cfg, layer_types=(*cfg.layer_types, "mla"), mlp_types=(*cfg.mlp_types, "moe"))
+    lay = PoolLayout.for_model(cfg, page_tokens=page_tokens, latent_dtype=dtype)  # two MLA layers a page
+    assert lay.latent == L + R and lay.n_mla == 2
+    rng = np.random.default_rng(seed)
+    rows = lay.page_words * 4 // jnp.dtype(dtype).itemsize // lay.latent
+    lat = jnp.asarray(rng.standard_normal((N, lay.page_words, 4 // jnp.dtype(dtype).itemsize)), dtype)
+    pool = jax.lax.bitcast_convert_type(lat if lat.shape[-1] > 1 else lat[..., 0], jnp.uint32)
+    assert latent_view(lay, pool).shape == (N, rows, L + R)
+    bt = np.stack([rng.choice(N, blocks, replace=False) for _ in range(Q)]).astype(np.int32)
+    bt[1, 2] = -1
+    lengths = np.array([0, 1, page_tokens, page_tokens + 5, blocks * page_tokens, 2 * page_tokens - 1], np.int32)
+    q_lat = jnp.asarray(rng.standard_normal((Q, H, L)), dtype)
+    q_rope = jnp.asarray(rng.standard_normal((Q, H, R)), dtype)
+    return lay, pool, jnp.asarray(bt), jnp.asarray(lengths), q_lat, q_rope
+
+
+@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.float32, 3), (jnp.bfloat16, 2)])
+def test_paged_attention_matches_the_gathered_one(dtype, splits):
+    lay, pool, bt, lengths, q_lat, q_rope = _case(dtype, seed=splits)
+    scale = 0.17
+    for layer in (0, 1):
+        want = _reference(lay, pool, layer, bt, lengths, q_lat, q_rope, scale)
+        run = jax.jit(partial(paged_mla_decode, page_tokens=lay.page_tokens, scale=scale, tile=16, splits=splits,
+                              interpret=True))
+        got = run(q_lat, q_rope, latent_view(lay, pool), bt, lengths, jnp.int32(layer))
+        tol = 1e-5 if dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+        assert not np.any(np.asarray(got[0]))  # length 0: nothing attended, zeros
+
+
+def test_paged_attention_lowers_for_the_h200():
+    """jax.export for an abstract H200: the kernel is one Triton call at a Kimi-Linear-48B shape
+    (32 heads, L = 512, R = 64, bf16)."""
+    Q, H, L, R, N, rows, blocks = 8, 32, 512, 64, 16, 1024, 4
+    spec = jax.ShapeDtypeStruct
+    args = (spec((Q, H, L), jnp.bfloat16), spec((Q, H, R), jnp.bfloat16), spec((N, rows, L + R), jnp.bfloat16),
+            spec((Q, blocks), jnp.int32), spec((Q,), jnp.int32), spec((), jnp.int32))
+    f = jax.jit(partial(paged_mla_decode, page_tokens=256, scale=0.1, interpret=False))
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with use_abstract_mesh(mesh):
+        module = jax.export.export(f, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    assert module.count("xla.gpu.triton") == 1

@@ -37,7 +37,7 @@ def load_model(model, seed: int = 0):
     if model in EMBEDDED:
         cfg = ModelConfig.from_json(os.path.join(CONFIGS, EMBEDDED[model]))
         return cfg, init_params(cfg, jax.random.key(seed))
-    return load_hf_checkpoint(model)
+    return load_hf_checkpoint(model, keep_mxfp4=True)  # MXFP4 experts stay packed (the step dequantises)
 
 
 def _powers_of_four(lo: int, hi: int) -> tuple[int, ...]:

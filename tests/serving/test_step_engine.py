@@ -2,13 +2,15 @@
 budgets, batch sizes and preemption; no compilation after warm-up; aborts; bad requests."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.model import ModelConfig, forward, init_cache, init_params
+from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
+from k3jax.model.mxfp4 import MXFP4
 from k3jax.model.step import layer_runs
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.step_engine import StepEngine
@@ -315,3 +317,17 @@ def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache):
         assert run(spec) == want
         assert spec.metrics["accepted_drafts"] > (100 if drafter else 0)
         assert spec.runner.compiles_while_serving == 0
+
+
+def test_an_mxfp4_checkpoint_is_served_with_its_experts_packed():
+    """A K3 checkpoint with MXFP4 experts: the engine keeps them packed on the device (4.25 bits
+    a weight) and gives the greedy tokens of the same model loaded dequantised."""
+    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "k3_tiny_mxfp4")
+    kw = dict(dtype=jnp.float32, max_running=2, max_len=64, token_budget=32, max_prefill_rows=1,
+              decode_buckets=(2,), prefill_buckets=(32,), prefix_cache=False)
+    packed = StepEngine(path, **kw)
+    assert any(isinstance(x, MXFP4) for x in jax.tree.leaves(packed.runner.params, is_leaf=lambda x: isinstance(x, MXFP4)))
+    dense = StepEngine(load_hf_checkpoint(path), **kw)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    assert [r.token_ids for r in packed.generate(prompts, max_tokens=5)] == \
+        [r.token_ids for r in dense.generate(prompts, max_tokens=5)]

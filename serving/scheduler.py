@@ -96,12 +96,13 @@ class Scheduler:
 
     def __init__(self, pool: PagePool, page_tokens: int, *, token_budget: int, max_decode: int,
                  max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None, ids=None,
-                 speculative: int = 0, drafter=None, spec_backoff: int = 16):
+                 speculative: int = 0, drafter=None, spec_backoff: int = 16, draft_context: int = 4096):
         self.pool, self.P = pool, page_tokens
         self.budget = token_budget
         self.max_decode, self.max_prefill_rows, self.max_chunk = max_decode, max_prefill_rows, max_chunk
         self.cache = cache
         self.speculative, self.drafter, self.spec_backoff = speculative, drafter, spec_backoff
+        self.draft_context = draft_context
         self.H = cache.cfg.hash_tokens if cache else 0
         if cache and cache.cfg.block_tokens != page_tokens:
             raise ValueError(f"the prefix cache's block ({cache.cfg.block_tokens}) must be the page ({page_tokens})")
@@ -162,6 +163,9 @@ class Scheduler:
             r.hashes += chain_hashes(r.token_slice(len(r.hashes) * self.H, full * self.H), self.H,
                                      r.hashes[-1] if r.hashes else 0)
 
+    def _pages_needed(self, r: Request, end: int) -> int:
+        return max(0, -(-end // self.P) - len(r.pages))
+
     def _grow(self, r: Request, end: int, drafts: int = 0) -> int | None:
         """Pages for ``r``'s tokens up to ``end`` plus ``drafts`` draft tokens (and with the prefix
         cache, the checkpoint page of a hash boundary at ``end`` when one can be spared): the
@@ -169,10 +173,8 @@ class Scheduler:
         if end + drafts <= len(r.pages) * self.P and (self.cache is None or end // self.H == r.done // self.H):
             # Most decode rows: no page to add and no hash boundary reached, so nothing for the
             # cache to register (its next call covers these tokens too).
-            r.cache_tokens = max(r.cache_tokens, end + drafts)
             return -1
-        need = max(0, -(-(end + drafts) // self.P) - len(r.pages))
-        if not self._make_room(r, need):
+        if not self._make_room(r, self._pages_needed(r, end + drafts)):
             return None
         if self.cache is None:
             while len(r.pages) * self.P < end + drafts:
@@ -240,6 +242,11 @@ class Scheduler:
             if self.cache and r.pending and (r.done + 1) % self.H == 0:
                 continue  # its row completes a hash block: wait a step for the token, to hash and cache it
             drafts = self._drafts(r)
+            plain = self._pages_needed(r, r.done + 1)
+            if self._pages_needed(r, r.done + 1 + len(drafts)) > plain and not self.pool.can_allocate(
+                    self._pages_needed(r, r.done + 1 + len(drafts))):
+                # Drafts take only spare pages (they never preempt a request): those that fit.
+                drafts = drafts[: (len(r.pages) + plain) * self.P - (r.done + 1)]
             if (ck := self._grow(r, r.done + 1, len(drafts))) is not None:
                 # A token still on the device is fed from there (-1): the step reads its slot's last sample.
                 rows.append((True, self._row(r, ([-1] if r.pending else r.out[-1:]) + drafts, ck), r, True))
@@ -284,7 +291,13 @@ class Scheduler:
         k = min(self.speculative, r.sp.max_tokens - len(r.out) - 1)
         if self.H:
             k = min(k, -(r.done + 1) % self.H - 1)
-        return self.drafter.propose(r.tokens, k)[:k] if k > 0 else []
+        if k <= 0:
+            return []
+        n = r.num_tokens  # the drafter sees the last draft_context tokens (its cost grows with them)
+        drafts = self.drafter.propose(r.token_slice(max(0, n - self.draft_context), n), k)[:k]
+        if not drafts:
+            self.drafts_landed(r, 0)  # nothing to propose counts as a miss: back off
+        return drafts
 
     def drafts_landed(self, r: Request, accepted: int):
         """``r``'s window accepted ``accepted`` drafts: after ``m`` windows in a row with none, it

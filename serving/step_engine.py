@@ -77,7 +77,8 @@ def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *
                            num_logprobs=num_logprobs)
     final = out.tokens
     if out.accepted is not None:  # a window's last emitted token
-        final = final.at[:num_decode].set(out.window[jnp.arange(num_decode), out.accepted])
+        last_drafted = out.window[jnp.arange(num_decode), out.accepted]
+        final = final.at[:num_decode].set(jnp.where(out.accepted > 0, last_drafted, out.tokens[:num_decode]))
     slots = jnp.where(batch.state_slot >= 0, batch.state_slot, last.shape[0])
     return out, pool, last.at[slots].set(final, mode="drop")
 

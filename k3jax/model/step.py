@@ -264,9 +264,7 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         k = l2norm(k)
         g_w, beta_w = g[:nt].reshape(nd, rows.W, HV, K), beta[:nt].reshape(nd, rows.W, HV)
         outs.append(kda_verify(state[:nd], l2norm(q), k, v, g_w, beta_w).reshape(nt, HV, K))
-        finals.append(state[:nd])
-        convs.append(conv[:nd])
-        window = (raw_w, k, v, g_w, beta_w)
+        window = (conv[:nd], raw_w, k, v, g_w, beta_w)
     elif nd:
         y, c_d = short_conv_step(raw[:nd], conv[:nd], p["conv"], activation="silu")
         q, k, v = (a.reshape(nd, HV, K) for a in jnp.split(y, 3, axis=-1))
@@ -283,12 +281,12 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         outs.append(o_p[0])
         finals.append(s_p)
         convs.append(c_p)
-    o, final, conv = (jnp.concatenate([part.astype(f32) for part in a]) for a in (outs, finals, convs))
-    slot, ckpt = batch.state_slot, batch.checkpoint
-    if window is not None:  # written by commit_windows
-        slot, ckpt = (jnp.where(jnp.arange(slot.shape[0]) < nd, -1, a) for a in (slot, ckpt))
-    pool = write_kda(lay, pool, slot, li, final, conv)
-    pool = write_kda(lay, pool, ckpt, li, final, conv)
+    o = jnp.concatenate([part.astype(f32) for part in outs])
+    if finals:  # rows of decode windows are written by commit_windows, after the step
+        first = nd if window is not None else 0
+        final, conv = (jnp.concatenate([part.astype(f32) for part in a]) for a in (finals, convs))
+        pool = write_kda(lay, pool, batch.state_slot[first:], li, final, conv)
+        pool = write_kda(lay, pool, batch.checkpoint[first:], li, final, conv)
     gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
     o = rms_norm(o.astype(f32), p["o_norm"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.reshape(T, HV, K))
     return linear(o.reshape(T, HV * K), p["o"]), pool, window
@@ -299,8 +297,8 @@ def commit_windows(lay: PoolLayout, pool, batch: StepBatch, nd: int, layers, win
     into their slots (and checkpoint pages), for KDA layers ``layers i32[n]`` from their
     ``windows`` (:func:`kda_layer`'s, stacked over those layers)."""
     def one(pool, xs):
-        li, (raw, k, v, g, beta) = xs
-        state, conv = read_kda(lay, pool, batch.state_src[:nd], li)
+        li, (conv, raw, k, v, g, beta) = xs
+        state, _ = read_kda(lay, pool, batch.state_src[:nd], li)
         state = kda_commit(state, k, v, g, beta, num_tokens)
         both = jnp.concatenate([conv, raw.astype(f32)], axis=1)  # the inputs the conv state is the last W - 1 of
         conv = jax.vmap(lambda b, n: jax.lax.dynamic_slice_in_dim(b, n, conv.shape[1]))(both, num_tokens)
@@ -334,6 +332,8 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     S = batch.block_tables.shape[1] * lay.page_tokens
     nd, nt, R = rows.nd, rows.nt, batch.start.shape[0]
     ends = batch.start + batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+    if rows.W > 1:  # a window's padding positions were never written: not part of its context
+        ends = ends.at[:nd].set(batch.start[:nd] + 1 + batch.draft[:nd])
     paged = nd and kernels.mla_decode is not None
     first = nd if paged else 0  # the first row gathered
     if R > first:  # rows attending over gathered latents: [R - first, S, L + R]
@@ -452,8 +452,8 @@ def _set_layer(stacked, n, layer):
 def stack_layers(cfg: ModelConfig, params):
     """Serving params whose :func:`layer_runs` are stacked for the step's scan: ``layers[i]`` is
     None for a scanned layer and ``runs[r][j]`` holds the run's layers ``start + n * period + j``
-    along a leading axis ``n``. Consumes ``params["layers"]`` (each layer is freed once copied, so
-    the weights never exist twice)."""
+    along a leading axis ``n``. Consumes ``params["layers"]``: each layer is freed once copied, so
+    at the peak one stack (``count`` layers of one period position) exists twice."""
     layers = params.pop("layers")
     stacked = []
     for s, P, c in layer_runs(cfg):
@@ -506,10 +506,10 @@ class StepTrunk(NamedTuple):
             return self.x, self
         h = self._mix(lp["attn_res_proj"], lp["attn_res_norm"], cfg.rms_norm_eps)  # x alone: x
         seal = i % bs == 0
-        sealed = StepTrunk(jnp.zeros_like(self.x), self.blocks.at[self.n].set(self.x), self.n + 1)
         if isinstance(seal, bool):
-            return h, sealed if seal else self
-        return h, jax.tree.map(lambda a, b: jnp.where(seal, a, b), sealed, self)
+            return h, StepTrunk(jnp.zeros_like(self.x), self.blocks.at[self.n].set(self.x), self.n + 1) if seal else self
+        blocks = self.blocks.at[self.n].set(jnp.where(seal, self.x, self.blocks[self.n]))  # in place
+        return h, StepTrunk(jnp.where(seal, 0.0, self.x), blocks, self.n + seal.astype(i32))
 
     def mlp_input(self, cfg: ModelConfig, lp, attn_out):
         t = self._replace(x=self.x + attn_out)
@@ -594,6 +594,10 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         ok = ((drafts == greedy[:, :-1]) & (jnp.arange(window - 1) < batch.draft[:num_decode, None])
               & (batch.temperature[:num_decode, None] <= 0))
         accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(i32)
+        # A drafting row's token is its window's first greedy token (the drafts were checked
+        # against those; the row's own logits, from a matmul of another shape, could round a
+        # near-tie the other way on an accelerator).
+        tokens = tokens.at[:num_decode].set(jnp.where(batch.draft[:num_decode] > 0, greedy[:, 0], tokens[:num_decode]))
         layers, wins = (jax.tree.map(lambda *a: jnp.concatenate(a), *x) for x in zip(*windows))
         pool = commit_windows(lay, pool, batch, num_decode, layers, wins, accepted + 1)
     return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits else None, accepted, greedy), pool
@@ -645,8 +649,8 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
     f = Row(*(list(c) for c in zip(*rows))) if rows else Row(*[[] for _ in Row._fields])  # per field, over rows
     n, npg = np.array([len(t) for t in f.tokens], np.int64), np.array([len(p) for p in f.pages], np.int64)
     start, slot, ckpt = (np.array(x, np.int64) for x in (f.start, f.slot, f.checkpoint))
-    src = np.array([-2 if x is None else x for x in f.src], np.int64)
-    src = np.where(src == -2, np.where(start > 0, slot, -1), src)
+    given = np.array([x is not None for x in f.src], bool)
+    src = np.where(given, np.array([0 if x is None else x for x in f.src], np.int64), np.where(start > 0, slot, -1))
     copy = np.array([c or (-1, -1) for c in f.copy], np.int64).reshape(len(rows), 2)
     pages = np.fromiter(itertools.chain.from_iterable(f.pages), np.int64, int(npg.sum()))
     for i in np.flatnonzero((start + n > npg * lay.page_tokens) | (npg > max_blocks))[:1]:

@@ -329,3 +329,20 @@ def test_speculative_windows_commit_the_accepted_prefix(seven, kernels):
     ref.run([], [Row(A + a[:3], 0, pages[10], slot=10), Row(B + b[:1], 0, pages[11], slot=11)])
     lg_r, tok_r = ref.run([Row(a[3:4], nA + 3, pages[10], slot=10), Row(b[1:2], nB + 1, pages[11], slot=11)], [])
     assert rel_rms(lg_s, lg_r) < 1e-5 and tok_s.tolist() == tok_r.tolist()
+
+
+def test_windows_read_only_what_they_wrote():
+    """bf16, every pool word a NaN pattern at the start: a window with fewer drafts than its width
+    (and a plain row beside it) must not read its unwritten padding positions (0 x NaN in the
+    attention is NaN): every logit stays finite, in that step and the next."""
+    cfg, params = _tiny()
+    A, B = _seqs(cfg, [20, 12], seed=11)
+    runner = Runner(cfg, params, jnp.bfloat16)
+    runner.pool = jnp.full_like(runner.pool, 0xFFFFFFFF)
+    _, first = runner.run([], [Row(A, 0, [1, 2], slot=0), Row(B, 0, [3], slot=4)])
+    out = runner.step([Row([int(first[0]), 5], 20, [1, 2], slot=0), Row([int(first[1])], 12, [3], slot=4)], [],
+                      window=4)
+    assert np.all(np.isfinite(np.asarray(out.logits)[:2]))
+    n = 1 + int(np.asarray(out.accepted)[0])
+    lg, _ = runner.run([Row([7], 20 + n, [1, 2], slot=0), Row([7], 13, [3], slot=4)], [])
+    assert np.all(np.isfinite(lg))

@@ -13,6 +13,8 @@ from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_c
 from k3jax.model.mxfp4 import MXFP4
 from k3jax.model.step import layer_runs
 from serving.engine import CONFIGS, RequestError, SamplingParams
+from serving.page_pool import PagePool
+from serving.scheduler import Scheduler
 from serving.step_engine import StepEngine
 
 PROMPTS = [[5, 6, 7] * 30, [9] * 17, list(range(40, 100)), [200, 3, 77]]
@@ -331,3 +333,27 @@ def test_an_mxfp4_checkpoint_is_served_with_its_experts_packed():
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
     assert [r.token_ids for r in packed.generate(prompts, max_tokens=5)] == \
         [r.token_ids for r in dense.generate(prompts, max_tokens=5)]
+
+
+def test_drafts_take_only_spare_pages():
+    """Scheduler alone: two requests fill a 4-page pool (a state page and one MLA page each); the
+    oldest's drafts would need a third page: they are cut to what its page holds instead of
+    preempting the other request."""
+    pool = PagePool(4, with_storage=False)
+
+    class Always:
+        def propose(self, tokens, k):
+            return [1] * k
+
+    s = Scheduler(pool, 16, token_budget=64, max_decode=2, max_prefill_rows=2, max_chunk=64, speculative=4,
+                  drafter=Always())
+    a, b = (s.new_request([5] * 14, SamplingParams(max_tokens=8), 0) for _ in range(2))
+    s.add(a)
+    s.add(b)
+    plan = s.plan()  # both prompts
+    s.advance(plan)
+    for r in plan.requests:
+        r.pending -= 1
+        r.out.append(7)
+    plan = s.plan()
+    assert s.preemptions == 0 and [len(row.tokens) for row in plan.decode] == [2, 2]  # 14 + 1 + 1 = one page

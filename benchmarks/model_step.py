@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import write_json
+from benchmarks.common import kernel_seconds, write_json
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params, stack_layers
@@ -38,13 +38,17 @@ def copy_bandwidth(n_bytes=4 << 30) -> float:
     return 2 * n_bytes / min(ts)
 
 
-def kernels_for(cfg, ragged: str) -> StepKernels:
+def kernels_for(cfg, ragged: str, paged_mla: bool = False) -> StepKernels:
     chunk = None
     if jax.default_backend() == "gpu":
         from pallas_kernels.kda import chunk_kda
         chunk = chunk_kda
     rd = {"jax.lax": jax.lax.ragged_dot, "tokamax": StepKernels.ragged_dot}[ragged]
-    return StepKernels(**({"chunk_kda": chunk} if chunk else {}), ragged_dot=rd)
+    mla = {}
+    if paged_mla:
+        from pallas_kernels.mla import paged_mla_decode
+        mla = {"mla_decode": paged_mla_decode}
+    return StepKernels(**({"chunk_kda": chunk} if chunk else {}), ragged_dot=rd, **mla)
 
 
 def param_bytes(tree) -> int:
@@ -82,7 +86,7 @@ def timed_steps(run, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float) -> dict:
+def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float, profile: bool = False) -> dict:
     lay = PoolLayout.for_model(cfg, token_multiple=512)
     blocks = -(-(ctx + 1) // lay.page_tokens)
     num_pages = B * (blocks + 1)
@@ -100,7 +104,12 @@ def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float) 
     compile_s = time.perf_counter() - t0
     s = timed_steps(run, steps)
     floor = decode_floor_bytes(cfg, params, lay, B, ctx) / bw
-    return {"kind": "decode", "batch": B, "context": ctx, "step_ms": s * 1e3, "tokens_per_s": B / s,
+    top = {}
+    if profile:  # device microseconds per step of the kernels that take the most
+        per = sorted(kernel_seconds(run, steps=5).items(), key=lambda kv: -kv[1])
+        top = {"top_kernels_us": {k[:80]: round(v * 1e6, 1) for k, v in per[:12]},
+               "device_ms": sum(v for _, v in per) * 1e3}
+    return {**top, "kind": "decode", "batch": B, "context": ctx, "step_ms": s * 1e3, "tokens_per_s": B / s,
             "floor_ms": floor * 1e3, "fraction_of_floor": floor / s, "page_tokens": lay.page_tokens,
             "pages": num_pages, "pool_GB": num_pages * lay.page_bytes / 1e9, "compile_s": compile_s}
 
@@ -205,6 +214,8 @@ def main():
     ap.add_argument("--ragged-tokens", default="1,64,256,8192", help="token counts for the ragged_dot comparison")
     ap.add_argument("--old-engine", action="store_true")
     ap.add_argument("--scan-layers", action="store_true", help="scan the repeating layers (the engine's default)")
+    ap.add_argument("--paged-mla", action="store_true", help="decode attention by the Pallas paged MLA kernel")
+    ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each decode step")
     a = ap.parse_args()
     if a.config == "mid":
         from benchmarks.model import MID
@@ -223,7 +234,8 @@ def main():
                 d[key] = d[key][: a.layers]
     cfg = ModelConfig.from_hf_dict(d)
     meta = {"config": a.config, "layers": cfg.num_layers, "date": datetime.date.today().isoformat(),
-            "device": jax.devices()[0].device_kind, "ragged": a.ragged, "scan_layers": a.scan_layers}
+            "device": jax.devices()[0].device_kind, "ragged": a.ragged, "scan_layers": a.scan_layers,
+            "paged_mla": a.paged_mla}
     rows = []
     emit = lambda r: (rows.append({**meta, **r}), print(json.dumps(rows[-1]), flush=True))
     bw = copy_bandwidth()
@@ -238,9 +250,9 @@ def main():
         params = stack_layers(cfg, params)
     jax.block_until_ready(params)
     emit({"kind": "params", "GB": param_bytes(params) / 1e9, "init_s": time.perf_counter() - t0})
-    kernels = kernels_for(cfg, a.ragged)
+    kernels = kernels_for(cfg, a.ragged, a.paged_mla)
     for B in map(int, a.batches.split(",")):
-        emit(bench_decode(cfg, params, kernels, B, a.context, a.steps, bw))
+        emit(bench_decode(cfg, params, kernels, B, a.context, a.steps, bw, a.profile))
     if a.prefill:
         emit(bench_prefill(cfg, params, kernels, a.prefill))
     if a.old_engine:

@@ -29,7 +29,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, nu
 
 
 def compile_seconds(cfg: ModelConfig, *, scan: bool, decode: int, tokens: int, max_blocks: int, rows: int):
-    """``(trace s, compile s)`` of one step bucket with abstract params and pool."""
+    """``(trace s, compile s, temp MB, pool MB)`` of one step bucket with abstract params and pool
+    (temp: the compiled step's scratch memory; a pool-sized one would be a copy of the pool)."""
     make = lambda: random_params(cfg, jax.random.key(0))
     params = jax.eval_shape(lambda: stack_layers(cfg, make()) if scan else make())
     lay = PoolLayout.for_model(cfg)
@@ -40,8 +41,11 @@ def compile_seconds(cfg: ModelConfig, *, scan: bool, decode: int, tokens: int, m
     t0 = time.perf_counter()
     lowered = jit_step.lower(cfg, lay, kernels_for(cfg, "tokamax"), decode, params, pool, batch, num_logprobs=20)
     t1 = time.perf_counter()
-    lowered.compile()
-    return t1 - t0, time.perf_counter() - t1
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", float("nan")) / 1e6 if mem is not None else float("nan")
+    return t1 - t0, t2 - t1, temp, num_pages * lay.page_bytes / 1e6
 
 
 def main():
@@ -52,6 +56,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=512, help="prefill tokens of the bucket")
     ap.add_argument("--rows", type=int, default=4, help="prefill rows of the bucket")
     ap.add_argument("--max-blocks", type=int, default=8)
+    ap.add_argument("--modes", default="unrolled,scan", help="which of unrolled,scan to compile")
     a = ap.parse_args()
     jax.config.update("jax_compilation_cache_dir", None)  # measure compiles, not cache hits
     cfg = ModelConfig.from_json(a.config)
@@ -61,11 +66,13 @@ def main():
     res = dict(config=a.config, shrink=a.shrink, layers=cfg.num_layers, runs=layer_runs(cfg), decode=a.decode,
                tokens=a.tokens, device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                date=datetime.date.today().isoformat())
-    for scan in (False, True):
-        trace, comp = compile_seconds(cfg, scan=scan, decode=a.decode, tokens=a.tokens, max_blocks=a.max_blocks,
-                                      rows=a.rows)
-        res["scan" if scan else "unrolled"] = dict(trace_s=round(trace, 2), compile_s=round(comp, 2))
-        print(f"{'scanned' if scan else 'unrolled'}: trace {trace:.1f}s, compile {comp:.1f}s", flush=True)
+    for scan in [m == "scan" for m in a.modes.split(",")]:
+        trace, comp, temp, pool = compile_seconds(cfg, scan=scan, decode=a.decode, tokens=a.tokens,
+                                                  max_blocks=a.max_blocks, rows=a.rows)
+        res["scan" if scan else "unrolled"] = dict(trace_s=round(trace, 2), compile_s=round(comp, 2), temp_MB=temp,
+                                                   pool_MB=pool)
+        print(f"{'scanned' if scan else 'unrolled'}: trace {trace:.1f}s, compile {comp:.1f}s, temp {temp:.0f} MB "
+              f"(pool {pool:.0f} MB)", flush=True)
     write_json(res, "step_compile.json")
 
 

@@ -17,11 +17,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_enable_x64", False)
 
-# One persistent compilation cache per test run, shared by the xdist workers and by the
-# server processes the tests start (they inherit the environment): engines of the same
-# shapes in different processes compile once.
+# One persistent compilation cache per test run and xdist worker, shared with the server
+# processes a worker starts (they inherit the environment): an engine of the same shapes there
+# compiles once. Not shared between workers: JAX writes entries in place, without a lock, and
+# two workers crashed (SIGSEGV in a step call) with one shared cache.
 _run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"k3jax-jax-cache-{_run}"))
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"k3jax-jax-cache-{_run}-{_worker}"))
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 settings.register_profile(

@@ -1,1 +1,1 @@
-"""Pallas kernels (TPU Mosaic, GPU) for KDA; may import k3jax, never serving."""
+"""Pallas kernels (TPU Mosaic, GPU) for KDA and MLA; may import k3jax, never serving."""

@@ -1,5 +1,6 @@
 """Test-wide JAX and hypothesis settings (imported by pytest before any test module)."""
 
+import gc
 import os
 import tempfile
 
@@ -48,3 +49,25 @@ def gpu_run(request):
     skipped on CPU)."""
     skip_compiled_on_cpu(request.param)
     return request.param
+
+
+def _num_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_code():
+    """XLA:CPU maps each compiled kernel's code into memory mappings of its own (one small
+    engine's buckets: about 4,000) and JAX keeps every executable in its caches, so a worker of
+    the full suite reached Linux's default limit of 65,530 mappings (``vm.max_map_count``) and
+    died with SIGSEGV inside a compile. Past 30,000 the caches are dropped before the next test
+    (later calls load from the persistent cache or compile again)."""
+    if _num_mappings() > 30_000:
+        jax.clear_caches()
+        gc.collect()
+    yield
+

@@ -115,7 +115,7 @@ def _step_logits(cfg, params, ids, scan):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])  # unrolled: test_step covers it
 def test_step_on_packed_experts(loads, scan):
     """The serving step dequantising packed experts in its MoE gives the logits of the step on
     the dequantised load (float32), layers unrolled and scanned (the packed experts stacked);

@@ -321,6 +321,7 @@ def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache):
         assert spec.runner.compiles_while_serving == 0
 
 
+@pytest.mark.slow  # the step on packed experts: tests/k3jax/test_mxfp4.py
 def test_an_mxfp4_checkpoint_is_served_with_its_experts_packed():
     """A K3 checkpoint with MXFP4 experts: the engine keeps them packed on the device (4.25 bits
     a weight) and gives the greedy tokens of the same model loaded dequantised."""

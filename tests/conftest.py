@@ -20,8 +20,7 @@ jax.config.update("jax_enable_x64", False)
 
 # One persistent compilation cache per test run and xdist worker, shared with the server
 # processes a worker starts (they inherit the environment): an engine of the same shapes there
-# compiles once. Not shared between workers: JAX writes entries in place, without a lock, and
-# two workers crashed (SIGSEGV in a step call) with one shared cache.
+# compiles once. Not shared between workers: JAX writes entries in place, without a lock.
 _run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",

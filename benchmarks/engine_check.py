@@ -4,7 +4,8 @@ decode kernel and speculation) on the tiny model with a fifth layer (so the step
 1-4), the same greedy tokens, a resend served from the prefix cache, start-up time and compiles
 while serving. The check to run on the GPU after any change to the serving path.
 
-Run: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_check`` (exit status 1 if a check fails).
+Run: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_check`` (exit status 1 if a check fails;
+``--quick``: the float32 StepEngine only).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main() -> int:
     print("Engine", ref, flush=True)
     ok = True
     paged = StepKernels(chunk_kda=default_kernels(cfg).chunk_kda, mla_decode=paged_mla_decode)
-    for dt, extra in ((jnp.float32, {}), (jnp.bfloat16, {}), (jnp.float32, dict(kernels=paged, speculative=3))):
+    variants = ((jnp.float32, {}), (jnp.bfloat16, {}), (jnp.float32, dict(kernels=paged, speculative=3)))
+    for dt, extra in variants[:1] if "--quick" in sys.argv else variants:
         t0 = time.perf_counter()
         s = StepEngine(model, dtype=dt, max_running=4, max_len=1024, token_budget=256, hash_tokens=64, num_pages=64,
                        **extra)

@@ -242,9 +242,8 @@ class Scheduler:
             if self.cache and r.pending and (r.done + 1) % self.H == 0:
                 continue  # its row completes a hash block: wait a step for the token, to hash and cache it
             drafts = self._drafts(r)
-            plain = self._pages_needed(r, r.done + 1)
-            if self._pages_needed(r, r.done + 1 + len(drafts)) > plain and not self.pool.can_allocate(
-                    self._pages_needed(r, r.done + 1 + len(drafts))):
+            plain, need = self._pages_needed(r, r.done + 1), self._pages_needed(r, r.done + 1 + len(drafts))
+            if need > plain and not self.pool.can_allocate(need):
                 # Drafts take only spare pages (they never preempt a request): those that fit.
                 drafts = drafts[: (len(r.pages) + plain) * self.P - (r.done + 1)]
             if (ck := self._grow(r, r.done + 1, len(drafts))) is not None:

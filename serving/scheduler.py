@@ -22,6 +22,10 @@ from k3jax.model.step import Row
 from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
 from serving.prefix_cache import PrefixCache, chain_hashes
 
+_ROW_FIELDS = ("tokens", "start", "pages", "slot", "src", "checkpoint", "copy", "temperature", "top_k", "top_p", "seed")
+# Scheduler._row builds its rows as plain tuples of these fields; Row(...) if they ever differ.
+_new_row = tuple.__new__ if Row._fields == _ROW_FIELDS else (lambda cls, fields: cls(*fields))
+
 
 @dataclass(eq=False)
 class Request:
@@ -230,26 +234,49 @@ class Scheduler:
 
     # ---- planning
     def plan(self) -> StepPlan:
-        self._preempted_now: set[int] = set()
-        rows = []  # (is_decode, row, request, keep)
+        # This runs every step over every running request (256 at batch 256, under ENGINE.md's 1 ms of
+        # host time per step with the batch packing): the decode loop reads each field once and does
+        # no call for the common row (no drafts, no page to add, no hash boundary reached).
+        pre = self._preempted_now = set()
+        P, H, cache, speculative, max_decode = self.P, self.H, self.cache, self.speculative, self.max_decode
+        decode, dreqs = [], []  # decode rows and their requests
+        used = 0  # the decode rows' tokens
         for r in list(self.running):
-            if len(rows) == self.max_decode:
+            if len(decode) == max_decode:
                 break
-            if r.rid in self._preempted_now:
+            out, pending, done = r.out, r.pending, r.done
+            if not (out or pending) or (pre and r.rid in pre):
                 continue
-            if not self._decodes(r):
+            n_out = len(out)  # _decodes(r), inline:
+            if done != len(r.prompt) + n_out + pending - 1 or n_out + pending >= r.sp.max_tokens:
                 continue
-            if self.cache and r.pending and (r.done + 1) % self.H == 0:
+            end = done + 1
+            if cache is not None and pending and end % H == 0:
                 continue  # its row completes a hash block: wait a step for the token, to hash and cache it
-            drafts = self._drafts(r)
-            plain, need = self._pages_needed(r, r.done + 1), self._pages_needed(r, r.done + 1 + len(drafts))
-            if need > plain and not self.pool.can_allocate(need):
-                # Drafts take only spare pages (they never preempt a request): those that fit.
-                drafts = drafts[: (len(r.pages) + plain) * self.P - (r.done + 1)]
-            if (ck := self._grow(r, r.done + 1, len(drafts))) is not None:
-                # A token still on the device is fed from there (-1): the step reads its slot's last sample.
-                rows.append((True, self._row(r, ([-1] if r.pending else r.out[-1:]) + drafts, ck), r, True))
-        budget = self.budget - sum(len(x[1].tokens) for x in rows)
+            if speculative:
+                drafts = self._drafts(r)
+                n_drafts = len(drafts)
+                if n_drafts:
+                    plain, need = self._pages_needed(r, end), self._pages_needed(r, end + n_drafts)
+                    if need > plain and not self.pool.can_allocate(need):
+                        # Drafts take only spare pages (they never preempt a request): those that fit.
+                        drafts = drafts[: (len(r.pages) + plain) * P - end]
+                        n_drafts = len(drafts)
+            else:
+                drafts, n_drafts = None, 0
+            if end + n_drafts <= len(r.pages) * P and (cache is None or end // H == done // H):
+                ck = -1  # _grow's common case, inline: no page to add and no hash boundary reached
+            elif (ck := self._grow(r, end, n_drafts)) is None:
+                continue
+            # A token still on the device is fed from there (-1): the step reads its slot's last sample.
+            tokens = [-1] if pending else out[-1:]
+            if n_drafts:
+                tokens += drafts
+            decode.append(self._row(r, tokens, ck))
+            dreqs.append(r)
+            used += 1 + n_drafts
+        prefill, preqs, pkeep = [], [], []
+        budget = self.budget - used
         n_prefill = 0
         for r in self._prefill_candidates():
             if budget <= 0 or n_prefill == self.max_prefill_rows or (r.slot < 0 and not self._admit(r)):
@@ -259,24 +286,28 @@ class Scheduler:
             if new:
                 self.running.append(r)
             end = r.done + min(r.prefill_end - r.done, budget, self.max_chunk)
-            if self.cache and end // self.H > r.done // self.H:
-                end = end // self.H * self.H  # end on the last hash boundary crossed: its checkpoint
-                if end == r.prefill_end and end - self.H > r.done:
-                    end -= self.H  # a resend of this prompt restores the boundary before its last token
+            if cache is not None and end // H > r.done // H:
+                end = end // H * H  # end on the last hash boundary crossed: its checkpoint
+                if end == r.prefill_end and end - H > r.done:
+                    end -= H  # a resend of this prompt restores the boundary before its last token
             if (ck := self._grow(r, end)) is None:
                 if new:  # not admitted after all: hold nothing while waiting
                     self.release(r)
                     self._requeue(r)
                 break
-            rows.append((False, self._row(r, r.token_slice(r.done, end), ck), r, end == r.prefill_end and not r.out))
+            prefill.append(self._row(r, r.token_slice(r.done, end), ck))
+            preqs.append(r)
+            pkeep.append(end == r.prefill_end and not r.out)
             budget -= end - r.done
             n_prefill += 1
-        # A request preempted while this step was planned has no pages now: its rows go.
-        rows = [x for x in rows if x[2].rid not in self._preempted_now]
-        if self.cache is not None and rows:  # the engine dispatches it (and calls landed() when it lands)
-            self.cache.begin_step()
-        return StepPlan([x[1] for x in rows if x[0]], [x[1] for x in rows if not x[0]], [x[2] for x in rows],
-                        [x[3] for x in rows])
+        if pre:  # a request preempted while this step was planned has no pages now: its rows go
+            kept = [i for i, r in enumerate(dreqs) if r.rid not in pre]
+            decode, dreqs = [decode[i] for i in kept], [dreqs[i] for i in kept]
+            kept = [i for i, r in enumerate(preqs) if r.rid not in pre]
+            prefill, preqs, pkeep = [prefill[i] for i in kept], [preqs[i] for i in kept], [pkeep[i] for i in kept]
+        if cache is not None and (decode or prefill):  # the engine dispatches it (and calls landed() when it lands)
+            cache.begin_step()
+        return StepPlan(decode, prefill, dreqs + preqs, [True] * len(decode) + pkeep)
 
     def _drafts(self, r: Request) -> list[int]:
         """Draft tokens for ``r``'s decode row: for a greedy request without logprobs whose last
@@ -331,15 +362,23 @@ class Scheduler:
             yield r
 
     def _row(self, r: Request, tokens: list[int], checkpoint: int) -> Row:
-        sp = r.sp
-        src, copy = r.restore if r.restore else (None, None)
-        r.restore = None
-        return Row(tokens, r.done, list(r.pages), r.slot, src, checkpoint, copy, sp.temperature, sp.top_k, sp.top_p,
-                   r.seed)  # positional: this runs for every row of every step
+        sp, restore = r.sp, r.restore
+        if restore:
+            (src, copy), r.restore = restore, None
+        else:
+            src = copy = None
+        # A tuple built directly, in Row's field order (checked at import): Row(...) goes through
+        # its Python-level __new__, and this runs for every row of every step.
+        return _new_row(Row, (tokens, r.done, list(r.pages), r.slot, src, checkpoint, copy, sp.temperature, sp.top_k,
+                              sp.top_p, r.seed))
 
     def advance(self, plan: StepPlan):
         """The step was dispatched: every planned row's tokens are (about to be) in the cache and
         every kept row's sample is pending until it is read back."""
-        for i, (row, r, keep) in enumerate(zip(plan.decode + plan.prefill, plan.requests, plan.keep)):
-            r.done = row.start + (1 if i < len(plan.decode) else len(row.tokens))  # drafts: when accepted
-            r.pending += keep
+        nd, reqs, keep = len(plan.decode), plan.requests, plan.keep
+        for row, r, k in zip(plan.decode, reqs, keep):
+            r.done = row.start + 1  # drafts: when accepted
+            r.pending += k
+        for row, r, k in zip(plan.prefill, reqs[nd:], keep[nd:]):
+            r.done = row.start + len(row.tokens)
+            r.pending += k

@@ -81,10 +81,11 @@ class PoolLayout:
 
     @property
     def head_words(self) -> int:
-        """Words per head in the KDA view, padded so the page is a whole number of MLA rows."""
+        """Words per head in the KDA view, padded so the page is a whole number of MLA rows and
+        a head a whole number of ``V``-word rows (the state view)."""
         need = max(self.state_words + self.n_kda * self.conv_words,
                    -(-self.n_mla * self.page_tokens * self.row_words // self.HV))
-        step = self.row_words // math.gcd(self.row_words, self.HV)
+        step = math.lcm(self.row_words // math.gcd(self.row_words, self.HV), self.V)
         return -(-need // step) * step
 
     @property
@@ -153,35 +154,65 @@ def _scatter_heads(view, pages, start, words):
     return jax.lax.scatter(view, idx, words, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
+def _read_heads(lay: PoolLayout, pool, pages, start, size: int):
+    """Words ``[start, start + size)`` of every head of ``pages i32[B]`` as ``f32[B, HV, size]``;
+    zeros for a negative page id (a fresh request)."""
+    view = pool.reshape(pool.shape[0], lay.HV, lay.head_words)
+    words = _gather_heads(view, jnp.clip(pages, 0, pool.shape[0] - 1), start, size)
+    return jnp.where((pages < 0)[:, None, None], 0.0, jax.lax.bitcast_convert_type(words, f32))
+
+
+def _write_heads(lay: PoolLayout, pool, pages, start, values):
+    """Inverse of :func:`_read_heads`: ``values f32[B, HV, size]`` in place."""
+    view = pool.reshape(pool.shape[0], lay.HV, lay.head_words)
+    words = jax.lax.bitcast_convert_type(values.astype(f32), u32)
+    return _scatter_heads(view, _write_ids(pages, pool.shape[0]), start, words).reshape(pool.shape)
+
+
+def read_conv(lay: PoolLayout, pool, pages, layer):
+    """KDA layer ``layer``'s conv state ``f32[B, W - 1, 3 * HV * K]`` from ``pages i32[B]``
+    (zeros for a negative id)."""
+    conv = _read_heads(lay, pool, pages, _kda_words(lay, layer)[1], lay.conv_words)
+    # [B, HV, W-1, 3, K] -> [B, W-1, 3, HV, K]: the channel order of the model's q, k, v concat
+    B = pages.shape[0]
+    return jnp.transpose(conv.reshape(B, lay.HV, lay.W - 1, 3, lay.K), (0, 2, 3, 1, 4)).reshape(B, lay.W - 1, -1)
+
+
+def write_conv(lay: PoolLayout, pool, pages, layer, conv):
+    """Inverse of :func:`read_conv`: write the conv state of rows ``pages i32[B]`` in place."""
+    B = pages.shape[0]
+    conv = jnp.transpose(conv.astype(f32).reshape(B, lay.W - 1, 3, lay.HV, lay.K), (0, 3, 1, 2, 4))
+    return _write_heads(lay, pool, pages, _kda_words(lay, layer)[1], conv.reshape(B, lay.HV, lay.conv_words))
+
+
 def read_kda(lay: PoolLayout, pool, pages, layer):
     """KDA layer ``layer``'s state ``f32[B, HV, K, V]`` and conv state ``f32[B, W - 1, 3 * HV * K]``
     from ``pages i32[B]``; a negative page id reads zeros (a fresh request)."""
-    view = pool.reshape(pool.shape[0], lay.HV, lay.head_words)
-    safe = jnp.clip(pages, 0, pool.shape[0] - 1)
-    s0, c0 = _kda_words(lay, layer)
-    state = jax.lax.bitcast_convert_type(_gather_heads(view, safe, s0, lay.K * lay.V), f32)
-    conv = jax.lax.bitcast_convert_type(_gather_heads(view, safe, c0, lay.conv_words), f32)
-    B = pages.shape[0]
-    state = state.reshape(B, lay.HV, lay.K, lay.V)
-    # [B, HV, W-1, 3, K] -> [B, W-1, 3, HV, K]: the channel order of the model's q, k, v concat
-    conv = jnp.transpose(conv.reshape(B, lay.HV, lay.W - 1, 3, lay.K), (0, 2, 3, 1, 4)).reshape(B, lay.W - 1, -1)
-    fresh = (pages < 0)[:, None, None]
-    return jnp.where(fresh[..., None], 0.0, state), jnp.where(fresh, 0.0, conv)
+    state = _read_heads(lay, pool, pages, _kda_words(lay, layer)[0], lay.K * lay.V)
+    return state.reshape(pages.shape[0], lay.HV, lay.K, lay.V), read_conv(lay, pool, pages, layer)
 
 
 def write_kda(lay: PoolLayout, pool, pages, layer, state, conv):
     """Inverse of :func:`read_kda`: write ``state``, ``conv`` of rows ``pages i32[B]`` in place."""
-    N = pool.shape[0]
-    view = pool.reshape(N, lay.HV, lay.head_words)
-    B = pages.shape[0]
-    ids = _write_ids(pages, N)
-    s0, c0 = _kda_words(lay, layer)
-    state_w = jax.lax.bitcast_convert_type(state.astype(f32).reshape(B, lay.HV, lay.K * lay.V), u32)
-    conv = jnp.transpose(conv.astype(f32).reshape(B, lay.W - 1, 3, lay.HV, lay.K), (0, 3, 1, 2, 4))
-    conv_w = jax.lax.bitcast_convert_type(conv.reshape(B, lay.HV, lay.conv_words), u32)
-    view = _scatter_heads(view, ids, s0, state_w)
-    view = _scatter_heads(view, ids, c0, conv_w)
-    return view.reshape(pool.shape)
+    state = state.reshape(pages.shape[0], lay.HV, lay.K * lay.V)
+    pool = _write_heads(lay, pool, pages, _kda_words(lay, layer)[0], state)
+    return write_conv(lay, pool, pages, layer, conv)
+
+
+def state_view(lay: PoolLayout, pool):
+    """The pool as KDA state rows ``f32[N, HV, head_words / V, V]`` (a bitcast, no copy): layer
+    ``i``'s state ``f32[K, V]`` of a head is rows ``[state_row(lay, i), + K)``. The input of the
+    KDA decode kernel on pages; :func:`from_state_view` inverts it."""
+    return jax.lax.bitcast_convert_type(pool, f32).reshape(pool.shape[0], lay.HV, lay.head_words // lay.V, lay.V)
+
+
+def from_state_view(lay: PoolLayout, states):
+    return jax.lax.bitcast_convert_type(states, u32).reshape(states.shape[0], lay.page_words)
+
+
+def state_row(lay: PoolLayout, layer):
+    """The first row of KDA layer ``layer``'s state in :func:`state_view` (``layer`` may be traced)."""
+    return layer * lay.K
 
 
 def _mla_view(lay: PoolLayout, pool):

@@ -36,8 +36,8 @@ from k3jax.model.config import ModelConfig
 from k3jax.model.model import (attn_res_mix, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm,
                                route)
 from k3jax.model.mxfp4 import MXFP4, dequantize
-from k3jax.model.pool import (PoolLayout, copy_pages, latent_view, read_kda, read_latents, token_pages, write_kda,
-                              write_latents)
+from k3jax.model.pool import (PoolLayout, copy_pages, from_state_view, latent_view, read_conv, read_kda, read_latents,
+                              state_row, state_view, token_pages, write_conv, write_kda, write_latents)
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
 
@@ -80,11 +80,14 @@ class StepKernels:
     :func:`k3jax.ops.kda.chunk_kda` (serving passes the Pallas prefill on a GPU); ``ragged_dot``
     that of :func:`jax.lax.ragged_dot` with ``preferred_element_type``; ``mla_decode`` (None: the
     pure-JAX attention over the gathered bucket) that of
-    :func:`pallas_kernels.mla.paged_mla_decode`, for decode and window tokens."""
+    :func:`pallas_kernels.mla.paged_mla_decode`, for decode and window tokens; ``kda_decode``
+    (None: gather the decode rows' states, step them, scatter them back) that of
+    :func:`pallas_kernels.kda.decode_pages.kda_decode_pages`, for plain decode rows."""
 
     chunk_kda: Callable = chunk_kda
     ragged_dot: Callable = grouped_matmul
     mla_decode: Callable | None = None
+    kda_decode: Callable | None = None
 
 
 class StepBatch(NamedTuple):
@@ -255,8 +258,14 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     g = kda_gate(linear(linear(x, p["f_a"]), p["f_b"]).reshape(T, HV, K), p["A_log"].reshape(HV), p["dt_bias"],
                  lower_bound=cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(linear(x, p["b"]))
-    state, conv = read_kda(lay, pool, batch.state_src, li)
     outs, finals, convs, window = [], [], [], None
+    paged = nd and rows.W == 1 and kernels.kda_decode is not None
+    if paged:  # the decode rows step their states on their pages; the prefill rows' are read after
+        o_d, pool = _kda_decode_on_pages(cfg, lay, kernels, p["conv"], raw[:nd], g[:nd], beta[:nd], pool, li, batch)
+        outs.append(o_d)
+    first = nd if paged else 0  # the first row whose state is gathered
+    if not paged or T > nt:
+        state, conv = read_kda(lay, pool, batch.state_src[first:], li)
     if nd and rows.W > 1:
         raw_w = raw[:nt].reshape(nd, rows.W, -1)
         y, _ = short_conv(raw_w, p["conv"], activation="silu", initial_state=conv[:nd])
@@ -265,7 +274,7 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         g_w, beta_w = g[:nt].reshape(nd, rows.W, HV, K), beta[:nt].reshape(nd, rows.W, HV)
         outs.append(kda_verify(state[:nd], l2norm(q), k, v, g_w, beta_w).reshape(nt, HV, K))
         window = (conv[:nd], raw_w, k, v, g_w, beta_w)
-    elif nd:
+    elif nd and not paged:
         y, c_d = short_conv_step(raw[:nd], conv[:nd], p["conv"], activation="silu")
         q, k, v = (a.reshape(nd, HV, K) for a in jnp.split(y, 3, axis=-1))
         o_d, s_d = kda_decode_step(state[:nd], l2norm(q), l2norm(k), v, g[:nd], beta[:nd])
@@ -274,22 +283,40 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         convs.append(c_d)
     if T > nt:
         cu = batch.cu_seqlens[nd:] - nt
-        y, c_p = short_conv(raw[None, nt:], p["conv"], activation="silu", initial_state=conv[nd:], cu_seqlens=cu)
+        y, c_p = short_conv(raw[None, nt:], p["conv"], activation="silu", initial_state=conv[nd - first:],
+                            cu_seqlens=cu)
         q, k, v = (a.reshape(1, T - nt, HV, K) for a in jnp.split(y[0], 3, axis=-1))
         o_p, s_p = kernels.chunk_kda(l2norm(q), l2norm(k), v, g[None, nt:], beta[None, nt:],
-                                     initial_state=state[nd:], cu_seqlens=cu)
+                                     initial_state=state[nd - first:], cu_seqlens=cu)
         outs.append(o_p[0])
         finals.append(s_p)
         convs.append(c_p)
     o = jnp.concatenate([part.astype(f32) for part in outs])
     if finals:  # rows of decode windows are written by commit_windows, after the step
-        first = nd if window is not None else 0
+        first = nd if window is not None or paged else 0  # the first row in finals
         final, conv = (jnp.concatenate([part.astype(f32) for part in a]) for a in (finals, convs))
         pool = write_kda(lay, pool, batch.state_slot[first:], li, final, conv)
         pool = write_kda(lay, pool, batch.checkpoint[first:], li, final, conv)
     gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
     o = rms_norm(o.astype(f32), p["o_norm"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.reshape(T, HV, K))
     return linear(o.reshape(T, HV * K), p["o"]), pool, window
+
+
+def _kda_decode_on_pages(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, conv_w, raw, g, beta, pool, li,
+                         batch: StepBatch):
+    """The decode rows of :func:`kda_layer` through ``kernels.kda_decode``: their states are read
+    from and written to their pages by the kernel (no gather or scatter of states); only the
+    small conv states go through XLA. Returns ``(o [nd, HV, V], pool)``."""
+    nd, HV, K = raw.shape[0], cfg.linear_num_heads, cfg.linear_head_dim
+    src, slot, ckpt = batch.state_src[:nd], batch.state_slot[:nd], batch.checkpoint[:nd]
+    y, conv = short_conv_step(raw, read_conv(lay, pool, src, li), conv_w, activation="silu")
+    q, k, v = (a.reshape(nd, HV, K) for a in jnp.split(y, 3, axis=-1))
+    o, states = kernels.kda_decode(state_view(lay, pool), state_row(lay, li), src, slot, ckpt, l2norm(q), l2norm(k),
+                                   v, g, beta)
+    pool = from_state_view(lay, states)
+    for pages in (slot, ckpt):
+        pool = write_conv(lay, pool, pages, li, conv)
+    return o, pool
 
 
 def commit_windows(lay: PoolLayout, pool, batch: StepBatch, nd: int, layers, windows, num_tokens):

@@ -15,12 +15,15 @@ from k3jax.model.pool import PoolLayout, read_kda, read_latents, write_kda, writ
 from k3jax.model.model import route
 from k3jax.model.step import (Row, StepBatch, StepKernels, jit_step, layer_runs, moe, pack_batch, prepare_params, sample,
                               stack_layers)
+from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.mla import paged_mla_decode
 from tests.helpers import rel_rms
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
 BUCKET = dict(num_decode=4, num_tokens=48, num_rows=7, max_blocks=3)
-PAGED = StepKernels(mla_decode=partial(paged_mla_decode, tile=16, interpret=True))  # the Pallas paged MLA decode
+# the Pallas decode kernels on pages (interpreted): MLA attention and the KDA state step
+PAGED = StepKernels(mla_decode=partial(paged_mla_decode, tile=16, interpret=True),
+                    kda_decode=partial(kda_decode_pages, interpret=True))
 
 
 # tiny with 7 layers: layers 1-3 and 4-6 are one period (KDA, MLA, KDA; MoE) twice
@@ -102,8 +105,8 @@ def _reference(cfg, params, seqs):
 @pytest.mark.parametrize("config,scan,paged", [("configs/tiny.json", False, False), ("configs/tiny_k3.json", False, False),
                                                ("seven_layers", True, False), ("configs/tiny_k3.json", True, True)])
 def test_step_matches_forward_float32(config, scan, paged):
-    """The step's logits equal the reference forward's, unrolled and scanned, with the paged MLA
-    decode kernel (interpreted) or the gathered attention."""
+    """The step's logits equal the reference forward's, unrolled and scanned, with the Pallas
+    decode kernels on pages (interpreted) or the gathered attention and states."""
     cfg, params = _tiny(**SEVEN_LAYERS) if config == "seven_layers" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)

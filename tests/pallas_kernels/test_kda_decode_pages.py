@@ -1,0 +1,64 @@
+"""The KDA decode kernel on pages of the unified pool against :func:`k3jax.ops.kda.kda_decode_step`:
+the state read from ``src`` (or zeros), written to ``dst`` and ``checkpoint`` at the layer's rows,
+every other word of the pool unchanged (interpreted on CPU; compiled with ``-m gpu``)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops.kda import kda_decode_step
+from pallas_kernels.kda.decode_pages import kda_decode_pages
+from tests.helpers import assert_close, kda_inputs, random_state
+
+
+@pytest.mark.parametrize("B,H,HV,K,V,rows,state_row,dtype", [
+    (5, 2, 4, 16, 64, 40, 16, jnp.float32),  # GQA (rep 2); the layer's rows in the middle of a head
+    (3, 1, 2, 32, 32, 32, 0, jnp.bfloat16),  # the state fills the head
+])
+def test_decode_pages_matches_reference(gpu_run, B, H, HV, K, V, rows, state_row, dtype):
+    N = 9
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(B, B, 1, H, HV, K, V, dtype=dtype))
+    pool = random_state(B + 1, (N, HV, rows, V))
+    # row 0 reads and writes its page; row 1 resumes from another page (a checkpoint) into its own
+    # and writes a checkpoint too; row 2 is fresh (no src); the rest: padding rows (no dst) last.
+    src = np.array([3, 5, -1] + [-1] * (B - 3), np.int32)
+    dst = np.array([3, 1, 7] + [-1] * (B - 3), np.int32)
+    ckpt = np.array([-1, 8, -1] + [-1] * (B - 3), np.int32)
+    before = np.asarray(pool)
+    run = jax.jit(functools.partial(kda_decode_pages, interpret=gpu_run["interpret"]), donate_argnums=(0,))
+    o, pool = run(pool, jnp.int32(state_row), *map(jnp.asarray, (src, dst, ckpt)), q, k, v, g, beta)
+    after = np.asarray(pool)
+
+    layer = slice(state_row, state_row + K)
+    s0 = np.where((src >= 0)[:, None, None, None], before[np.maximum(src, 0)][:, :, layer], 0.0)
+    o_ref, s_ref = kda_decode_step(jnp.asarray(s0), q, k, v, g, beta)
+    live = dst >= 0
+    assert o.dtype == v.dtype
+    assert_close(np.asarray(o, np.float32)[live], np.asarray(o_ref, np.float32)[live],
+                 "bf16" if dtype == jnp.bfloat16 else "f32_out")
+    want = before.copy()
+    for b in np.flatnonzero(live):
+        for page in (dst[b], ckpt[b]):
+            if page >= 0:
+                want[page, :, layer] = np.asarray(s_ref[b])
+    written = np.zeros(N, bool)
+    written[np.concatenate([dst, ckpt])[np.concatenate([dst, ckpt]) >= 0]] = True
+    np.testing.assert_array_equal(after[~written], before[~written])  # untouched pages, bit for bit
+    other = np.ones(rows, bool)
+    other[layer] = False
+    np.testing.assert_array_equal(after[:, :, other], before[:, :, other])  # other layers' rows
+    assert_close(after[written], want[written], "f32_state")
+
+
+def test_decode_pages_rejects_bad_shapes():
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(0, 2, 1, 1, 2, 16, 16))
+    ids = jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="states must be"):
+        kda_decode_pages(jnp.zeros((4, 2, 8, 16)), 0, ids, ids, ids, q, k, v, g, beta)  # rows < K
+    with pytest.raises(ValueError, match="beta must have shape"):
+        kda_decode_pages(jnp.zeros((4, 2, 16, 16)), 0, ids, ids, ids, q, k, v, g, beta[:, :1])

@@ -1,6 +1,6 @@
 """Both engines on the current device with their default kernels: ``serving.Engine`` and
-``serving.StepEngine`` (float32 and bf16, prefix cache on; then float32 with the Pallas paged MLA
-decode kernel and speculation) on the tiny model with a fifth layer (so the step scans layers
+``serving.StepEngine`` (float32 and bf16, prefix cache on; then float32 with speculation; on a
+GPU the step's defaults are the Pallas prefill and the decode kernels on pages) on the tiny model with a fifth layer (so the step scans layers
 1-4), the same greedy tokens, a resend served from the prefix cache, start-up time and compiles
 while serving. The check to run on the GPU after any change to the serving path.
 
@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.model import ModelConfig, init_params
-from k3jax.model.step import StepKernels, layer_runs
-from pallas_kernels.mla import paged_mla_decode
-from serving.engine import CONFIGS, Engine, default_kernels
+from k3jax.model.step import layer_runs
+from serving.engine import CONFIGS, Engine
 from serving.step_engine import StepEngine
 
 PROMPTS = [[5, 6, 7] * 100, [9] * 40]
@@ -40,8 +39,8 @@ def main() -> int:
     ref = [r.token_ids for r in e.generate(PROMPTS, max_tokens=8)]
     print("Engine", ref, flush=True)
     ok = True
-    paged = StepKernels(chunk_kda=default_kernels(cfg).chunk_kda, mla_decode=paged_mla_decode)
-    variants = ((jnp.float32, {}), (jnp.bfloat16, {}), (jnp.float32, dict(kernels=paged, speculative=3)))
+    # The step engine's default kernels: on a GPU the Pallas prefill and decode kernels on pages.
+    variants = ((jnp.float32, {}), (jnp.bfloat16, {}), (jnp.float32, dict(speculative=3)))
     for dt, extra in variants[:1] if "--quick" in sys.argv else variants:
         t0 = time.perf_counter()
         s = StepEngine(model, dtype=dt, max_running=4, max_len=1024, token_budget=256, hash_tokens=64, num_pages=64,

@@ -38,7 +38,7 @@ def copy_bandwidth(n_bytes=4 << 30) -> float:
     return 2 * n_bytes / min(ts)
 
 
-def kernels_for(cfg, ragged: str, paged_mla: bool = False) -> StepKernels:
+def kernels_for(cfg, ragged: str, paged_mla: bool = False, paged_kda: bool = False) -> StepKernels:
     chunk = None
     if jax.default_backend() == "gpu":
         from pallas_kernels.kda import chunk_kda
@@ -48,6 +48,9 @@ def kernels_for(cfg, ragged: str, paged_mla: bool = False) -> StepKernels:
     if paged_mla:
         from pallas_kernels.mla import paged_mla_decode
         mla = {"mla_decode": paged_mla_decode}
+    if paged_kda:
+        from pallas_kernels.kda.decode_pages import kda_decode_pages
+        mla["kda_decode"] = kda_decode_pages
     return StepKernels(**({"chunk_kda": chunk} if chunk else {}), ragged_dot=rd, **mla)
 
 
@@ -215,6 +218,7 @@ def main():
     ap.add_argument("--old-engine", action="store_true")
     ap.add_argument("--scan-layers", action="store_true", help="scan the repeating layers (the engine's default)")
     ap.add_argument("--paged-mla", action="store_true", help="decode attention by the Pallas paged MLA kernel")
+    ap.add_argument("--paged-kda", action="store_true", help="decode KDA states by the Pallas kernel on pages")
     ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each decode step")
     a = ap.parse_args()
     if a.config == "mid":
@@ -235,7 +239,7 @@ def main():
     cfg = ModelConfig.from_hf_dict(d)
     meta = {"config": a.config, "layers": cfg.num_layers, "date": datetime.date.today().isoformat(),
             "device": jax.devices()[0].device_kind, "ragged": a.ragged, "scan_layers": a.scan_layers,
-            "paged_mla": a.paged_mla}
+            "paged_mla": a.paged_mla, "paged_kda": a.paged_kda}
     rows = []
     emit = lambda r: (rows.append({**meta, **r}), print(json.dumps(rows[-1]), flush=True))
     bw = copy_bandwidth()
@@ -250,7 +254,7 @@ def main():
         params = stack_layers(cfg, params)
     jax.block_until_ready(params)
     emit({"kind": "params", "GB": param_bytes(params) / 1e9, "init_s": time.perf_counter() - t0})
-    kernels = kernels_for(cfg, a.ragged, a.paged_mla)
+    kernels = kernels_for(cfg, a.ragged, a.paged_mla, a.paged_kda)
     for B in map(int, a.batches.split(",")):
         emit(bench_decode(cfg, params, kernels, B, a.context, a.steps, bw, a.profile))
     if a.prefill:

@@ -21,6 +21,9 @@ from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (StepKernels, batch_shapes, flatten_batch, model_step, pack_batch, prepare_params,
                               stack_layers, unflatten_batch)
+from pallas_kernels.kda.decode_pages import kda_decode_pages
+from pallas_kernels.kda.gpu_common import gpu_head_dims_ok
+from pallas_kernels.mla import paged_mla_decode
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -163,6 +166,17 @@ class Runner:
         return np.asarray(out.tokens)[rows], lps, drafts
 
 
+def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKernels:
+    """The step's device ops when none are given: on a GPU the Pallas prefill (as
+    :func:`serving.engine.default_kernels`) and, when the KDA head size suits the GPU kernels, the
+    Pallas decode kernels on pages (paged MLA attention, the KDA state step); the XLA paths
+    elsewhere."""
+    kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
+    if (backend or jax.default_backend()) == "gpu" and gpu_head_dims_ok(cfg.linear_head_dim):
+        kernels = StepKernels(chunk_kda=kernels.chunk_kda, mla_decode=paged_mla_decode, kda_decode=kda_decode_pages)
+    return kernels
+
+
 class StepEngine(EngineBase):
     """Offline and online serving on the serving step.
 
@@ -227,7 +241,7 @@ class StepEngine(EngineBase):
         if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
-        kernels = kernels or StepKernels(chunk_kda=default_kernels(self.cfg).chunk_kda)
+        kernels = kernels or default_step_kernels(self.cfg)
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
                              prefill_buckets=prefill_buckets,
                              max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative)

@@ -239,16 +239,30 @@ class Scheduler:
         # no call for the common row (no drafts, no page to add, no hash boundary reached).
         pre = self._preempted_now = set()
         P, H, cache, speculative, max_decode = self.P, self.H, self.cache, self.speculative, self.max_decode
+        new_row = _new_row
         decode, dreqs = [], []  # decode rows and their requests
         used = 0  # the decode rows' tokens
-        for r in list(self.running):
+        # The running requests still prefilling (done < prefill_end), found on the way: a request that
+        # passes _decodes is not one (its done is at least its prefill_end).
+        prefilling = []
+        running = list(self.running)
+        for r in running:
             if len(decode) == max_decode:
+                rest = running[running.index(r) :]  # not seen: looked at for prefilling below
                 break
+            if pre and r.rid in pre:
+                continue  # preempted in this step: not running now
             out, pending, done = r.out, r.pending, r.done
-            if not (out or pending) or (pre and r.rid in pre):
+            if not (out or pending):
+                if done < len(r.prompt):
+                    prefilling.append(r)
                 continue
-            n_out = len(out)  # _decodes(r), inline:
-            if done != len(r.prompt) + n_out + pending - 1 or n_out + pending >= r.sp.max_tokens:
+            n_out, sp = len(out), r.sp  # _decodes(r), inline:
+            if done != len(r.prompt) + n_out + pending - 1:
+                if done < len(r.prompt) + n_out - (1 if out else 0):
+                    prefilling.append(r)
+                continue
+            if n_out + pending >= sp.max_tokens:
                 continue
             end = done + 1
             if cache is not None and pending and end % H == 0:
@@ -272,13 +286,21 @@ class Scheduler:
             tokens = [-1] if pending else out[-1:]
             if n_drafts:
                 tokens += drafts
-            decode.append(self._row(r, tokens, ck))
+            if restore := r.restore:  # self._row(r, tokens, ck), inline
+                (src, copy), r.restore = restore, None
+            else:
+                src = copy = None
+            decode.append(new_row(Row, (tokens, done, list(r.pages), r.slot, src, ck, copy, sp.temperature, sp.top_k,
+                                        sp.top_p, r.seed)))
             dreqs.append(r)
             used += 1 + n_drafts
+        else:
+            rest = ()
+        prefilling += [r for r in rest if r.done < r.prefill_end]
         prefill, preqs, pkeep = [], [], []
         budget = self.budget - used
         n_prefill = 0
-        for r in self._prefill_candidates():
+        for r in self._prefill_candidates(prefilling):
             if budget <= 0 or n_prefill == self.max_prefill_rows or (r.slot < 0 and not self._admit(r)):
                 self._requeue(r)
                 break
@@ -348,10 +370,10 @@ class Scheduler:
             with self._lock:
                 self.waiting.appendleft(r)
 
-    def _prefill_candidates(self):
-        """Running requests still prefilling, then waiting ones in arrival order (one preempted in
-        this step waits for the next)."""
-        for r in [r for r in self.running if r.done < r.prefill_end]:
+    def _prefill_candidates(self, prefilling: list[Request]):
+        """The running requests still prefilling (``prefilling``, in admission order), then waiting
+        ones in arrival order (one preempted in this step waits for the next)."""
+        for r in prefilling:
             if r.rid not in self._preempted_now:
                 yield r
         while True:

@@ -605,26 +605,25 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         windows += wins
         i += P * c
     last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
-    if window > 1:  # a decode row samples after its first token (its drafts are checked below)
-        last = last.at[:num_decode].set(jnp.arange(num_decode, dtype=i32) * window)
     out = trunk.output(cfg, params)
-    h = rms_norm(out[last], params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    logits = linear(h, head)
-    tokens, lp, top_ids, top_lp = sample(logits, batch, rows.pos[last] + 1, num_logprobs)
+    logits_of = lambda t: linear(rms_norm(out[t], params["norm"], cfg.rms_norm_eps), head)
     accepted = greedy = None
-    if window > 1 and num_decode:
+    if window > 1 and num_decode:  # every window token's logits; a decode row samples after its first
+        # (the same logits its drafts are checked against: a greedy row's token is greedy[:, 0])
         nt = rows.nt
-        greedy = jnp.argmax(linear(rms_norm(out[:nt], params["norm"], cfg.rms_norm_eps), head), -1)
-        greedy = greedy.astype(i32).reshape(num_decode, window)
+        win_logits = logits_of(jnp.arange(nt))
+        last = last.at[:num_decode].set(jnp.arange(num_decode, dtype=i32) * window)
+        logits = jnp.concatenate([win_logits[::window], logits_of(last[num_decode:])])
+        greedy = jnp.argmax(win_logits, -1).astype(i32).reshape(num_decode, window)
+    else:
+        logits = logits_of(last)
+    tokens, lp, top_ids, top_lp = sample(logits, batch, rows.pos[last] + 1, num_logprobs)
+    if greedy is not None:
         drafts = batch.tokens[:nt].reshape(num_decode, window)[:, 1:]
         ok = ((drafts == greedy[:, :-1]) & (jnp.arange(window - 1) < batch.draft[:num_decode, None])
               & (batch.temperature[:num_decode, None] <= 0))
         accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(i32)
-        # A drafting row's token is its window's first greedy token (the drafts were checked
-        # against those; the row's own logits, from a matmul of another shape, could round a
-        # near-tie the other way on an accelerator).
-        tokens = tokens.at[:num_decode].set(jnp.where(batch.draft[:num_decode] > 0, greedy[:, 0], tokens[:num_decode]))
         layers, wins = (jax.tree.map(lambda *a: jnp.concatenate(a), *x) for x in zip(*windows))
         pool = commit_windows(lay, pool, batch, num_decode, layers, wins, accepted + 1)
     return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits else None, accepted, greedy), pool

@@ -35,7 +35,9 @@ def _land(s: Scheduler, plan):
     s.landed()
 
 
-def host_ms(lay: PoolLayout, batch: int, prompt: int, cache: bool, steps: int = 50) -> float:
+def host_ms(lay: PoolLayout, batch: int, prompt: int, cache: bool, steps: int = 200) -> dict[str, float]:
+    """Median milliseconds per step: the whole host step, and its parts (plan, pack: the packing,
+    flattening and copy to the device, advance)."""
     P, pages = lay.page_tokens, batch * (prompt // lay.page_tokens + 4)
     pool = PagePool(pages, with_storage=False)
     pc = PrefixCache(CacheConfig(512, P, 1, 1), pool) if cache else None
@@ -52,12 +54,16 @@ def host_ms(lay: PoolLayout, batch: int, prompt: int, cache: bool, steps: int = 
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = s.plan()
+        t1 = time.perf_counter()
         jax.device_put(flatten_batch(pack_batch(lay, plan.decode, plan.prefill, num_decode=batch, num_tokens=batch,
                                                 num_rows=batch, max_blocks=blocks, num_pages=pages, to_device=False)))
+        t2 = time.perf_counter()
         s.advance(plan)
-        ts.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        ts.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
         _land(s, plan)
-    return 1e3 * float(np.median(ts))
+    med = 1e3 * np.median(np.array(ts), axis=0)
+    return dict(zip(("host_ms_per_step_p50", "plan_ms_p50", "pack_ms_p50", "advance_ms_p50"), map(float, med)))
 
 
 def main():
@@ -65,13 +71,14 @@ def main():
     ap.add_argument("--config", default="configs/kimi_linear_48b_a3b.json")
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=200, help="decode steps timed per case (their median is reported)")
     a = ap.parse_args()
     lay = PoolLayout.for_model(ModelConfig.from_json(a.config), token_multiple=512)
     rows = []
     for cache in (False, True):
         for b in map(int, a.batches.split(",")):
             rows.append({"date": datetime.date.today().isoformat(), "host": platform.processor() or platform.machine(),
-                         "batch": b, "prefix_cache": cache, "host_ms_per_step_p50": host_ms(lay, b, a.prompt, cache)})
+                         "batch": b, "prefix_cache": cache, **host_ms(lay, b, a.prompt, cache, a.steps)})
             print(json.dumps(rows[-1]), flush=True)
     write_json(rows, "host_step.json")
 

@@ -29,8 +29,9 @@ _new_row = tuple.__new__ if Row._fields == _ROW_FIELDS else (lambda cls, fields:
 
 @dataclass(eq=False)
 class Request:
-    """A request and its place in the pool: ``pages`` (MLA pages in order), ``slot`` (its KDA
-    state page, -1 until admitted), ``done`` tokens in the cache."""
+    """A request and its place in the pool: ``pages`` (MLA pages in order; the list is replaced,
+    never changed in place, as its decode rows hold it), ``slot`` (its KDA state page, -1 until
+    admitted), ``done`` tokens in the cache."""
 
     rid: int
     prompt: list[int]
@@ -181,8 +182,10 @@ class Scheduler:
         if not self._make_room(r, self._pages_needed(r, end + drafts)):
             return None
         if self.cache is None:
-            while len(r.pages) * self.P < end + drafts:
-                r.pages.append(self.pool.allocate(MLA))
+            pages = list(r.pages)  # a new list: planned rows hold the old one
+            while len(pages) * self.P < end + drafts:
+                pages.append(self.pool.allocate(MLA))
+            r.pages = pages
             return -1
         self._hash(r)
         r.cache_tokens = max(r.cache_tokens, end + drafts)
@@ -241,7 +244,8 @@ class Scheduler:
         P, H, cache, speculative, max_decode = self.P, self.H, self.cache, self.speculative, self.max_decode
         new_row = _new_row
         decode, dreqs = [], []  # decode rows and their requests
-        used = 0  # the decode rows' tokens
+        add_row, add_req = decode.append, dreqs.append
+        n_drafted = 0  # the decode rows' draft tokens
         # The running requests still prefilling (done < prefill_end), found on the way: a request that
         # passes _decodes is not one (its done is at least its prefill_end).
         prefilling = []
@@ -286,19 +290,19 @@ class Scheduler:
             tokens = [-1] if pending else out[-1:]
             if n_drafts:
                 tokens += drafts
+                n_drafted += n_drafts
             if restore := r.restore:  # self._row(r, tokens, ck), inline
                 (src, copy), r.restore = restore, None
             else:
                 src = copy = None
-            decode.append(new_row(Row, (tokens, done, list(r.pages), r.slot, src, ck, copy, sp.temperature, sp.top_k,
-                                        sp.top_p, r.seed)))
-            dreqs.append(r)
-            used += 1 + n_drafts
+            add_row(new_row(Row, (tokens, done, r.pages, r.slot, src, ck, copy, sp.temperature, sp.top_k, sp.top_p,
+                                  r.seed)))
+            add_req(r)
         else:
             rest = ()
         prefilling += [r for r in rest if r.done < r.prefill_end]
         prefill, preqs, pkeep = [], [], []
-        budget = self.budget - used
+        budget = self.budget - len(decode) - n_drafted
         n_prefill = 0
         for r in self._prefill_candidates(prefilling):
             if budget <= 0 or n_prefill == self.max_prefill_rows or (r.slot < 0 and not self._admit(r)):

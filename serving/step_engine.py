@@ -19,8 +19,8 @@ import numpy as np
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import (StepKernels, batch_shapes, flatten_batch, model_step, pack_batch, prepare_params,
-                              stack_layers, unflatten_batch)
+from k3jax.model.step import (StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
+                              pack_batch, prepare_params, stack_layers, unflatten_batch)
 from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.kda.gpu_common import gpu_head_dims_ok
 from pallas_kernels.mla import paged_mla_decode
@@ -106,6 +106,7 @@ class Runner:
         self.window = speculative + 1  # decode rows per step carry up to this many tokens when any has drafts
         self.compiled: set[tuple[int, int, int]] = set()
         self.compiles_while_serving = 0
+        import_kernel_libraries(kernels)  # before the first trace (see there)
 
     def bucket(self, num_decode: int, prefill_tokens: int, drafts: bool = False) -> tuple[int, int, int]:
         """``(decode rows, prefill tokens, window)`` of the compiled step that runs a plan."""

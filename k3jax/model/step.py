@@ -57,6 +57,14 @@ def grouped_matmul(lhs, rhs, group_sizes, **kw):
                               **kw)
 
 
+def import_kernel_libraries(kernels: "StepKernels"):
+    """Import now what ``kernels`` would import on first use. Importing tokamax changes JAX's
+    tracing context, so a step traced before it is traced (and compiled) again after it: an
+    engine calls this before compiling its steps."""
+    if kernels.ragged_dot is grouped_matmul:
+        import tokamax  # noqa: F401
+
+
 @functools.cache
 def _grouped_implementations() -> tuple[str, ...] | None:
     """tokamax's default implementations that support the default device, in its order (None if

@@ -393,7 +393,12 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
             vis = (rows.row[nt:, None] == r) & (s[None, :] <= rows.pos[nt:, None])
             out = attend(q_lat[nt:], q_rope[nt:], ctx[r - first], vis)
             return jnp.where((rows.row[nt:] == r)[:, None, None], out, 0.0)
-        outs.append(jnp.sum(jax.lax.map(one_row, jnp.arange(nd, R, dtype=i32)), axis=0))
+
+        none = jax.eval_shape(one_row, jnp.int32(nd))
+        # a bucket's unused prefill rows (most steps have fewer than its rows) cost nothing
+        row_out = lambda r: jax.lax.cond(batch.cu_seqlens[r + 1] > batch.cu_seqlens[r], one_row,
+                                         lambda r: jnp.zeros(none.shape, none.dtype), r)
+        outs.append(jnp.sum(jax.lax.map(row_out, jnp.arange(nd, R, dtype=i32)), axis=0))
     o = (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).reshape(T, -1)
     if cfg.mla_output_gate:
         o = o * jax.nn.sigmoid(linear(x, p["g"]))

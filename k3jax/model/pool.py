@@ -200,14 +200,15 @@ def write_kda(lay: PoolLayout, pool, pages, layer, state, conv):
 
 
 def state_view(lay: PoolLayout, pool):
-    """The pool as KDA state rows ``f32[N, HV, head_words / V, V]`` (a bitcast, no copy): layer
-    ``i``'s state ``f32[K, V]`` of a head is rows ``[state_row(lay, i), + K)``. The input of the
-    KDA decode kernel on pages; :func:`from_state_view` inverts it."""
-    return jax.lax.bitcast_convert_type(pool, f32).reshape(pool.shape[0], lay.HV, lay.head_words // lay.V, lay.V)
+    """The pool as KDA state rows ``u32[N, HV, head_words / V, V]`` of float32 bits (a reshape, no
+    copy; the kernel bitcasts what it reads: a bitcast of the whole pool here would make XLA copy
+    it): layer ``i``'s state ``f32[K, V]`` of a head is rows ``[state_row(lay, i), + K)``. The
+    input of the KDA decode kernel on pages; :func:`from_state_view` inverts it."""
+    return pool.reshape(pool.shape[0], lay.HV, lay.head_words // lay.V, lay.V)
 
 
 def from_state_view(lay: PoolLayout, states):
-    return jax.lax.bitcast_convert_type(states, u32).reshape(states.shape[0], lay.page_words)
+    return states.reshape(states.shape[0], lay.page_words)
 
 
 def state_row(lay: PoolLayout, layer):
@@ -219,10 +220,11 @@ def _mla_view(lay: PoolLayout, pool):
     return pool.reshape(pool.shape[0], lay.page_words // lay.row_words, lay.row_words)
 
 
-def latent_view(lay: PoolLayout, pool):
-    """The pool as latent rows ``[N, page_words / row_words, L + R]`` of ``latent_dtype`` (a bitcast,
-    no copy): the input of a paged attention kernel."""
-    return _from_words(_mla_view(lay, pool), lay.latent_dtype)
+def latent_words(lay: PoolLayout, pool):
+    """The pool as latent rows of words ``u32[N, page_words / row_words, row_words]`` (a reshape,
+    no copy): the input of a paged attention kernel, which unpacks the ``latent_dtype`` values
+    (:func:`_to_words`'s packing); a bitcast of the whole pool here would make XLA copy it."""
+    return _mla_view(lay, pool)
 
 
 def token_pages(lay: PoolLayout, block_tables, rows, positions):

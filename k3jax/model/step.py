@@ -36,7 +36,7 @@ from k3jax.model.config import ModelConfig
 from k3jax.model.model import (attn_res_mix, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm,
                                route)
 from k3jax.model.mxfp4 import MXFP4, dequantize
-from k3jax.model.pool import (PoolLayout, copy_pages, from_state_view, latent_view, read_conv, read_kda, read_latents,
+from k3jax.model.pool import (PoolLayout, copy_pages, from_state_view, latent_words, read_conv, read_kda, read_latents,
                               state_row, state_view, token_pages, write_conv, write_kda, write_latents)
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
@@ -378,9 +378,9 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     s = jnp.arange(S, dtype=i32)
     outs = []
     if paged:  # each decode token over its own pages
-        lat = latent_view(lay, pool)
         tables = batch.block_tables[jnp.minimum(rows.row[:nt], R - 1)]
-        o = kernels.mla_decode(q_lat[:nt].astype(lat.dtype), q_rope[:nt].astype(lat.dtype), lat, tables,
+        o = kernels.mla_decode(q_lat[:nt].astype(lay.latent_dtype), q_rope[:nt].astype(lay.latent_dtype),
+                               latent_words(lay, pool), tables,
                                jnp.where(rows.live[:nt], rows.pos[:nt] + 1, 0), li, page_tokens=lay.page_tokens,
                                scale=scale)
         outs.append(mm("thl,hvl->thv", o, p["w_uv"]))

@@ -4,9 +4,11 @@ written to others in place (GPU, Pallas Triton lowering; interpreted on CPU for 
 The serving step keeps each request's recurrent state for every KDA layer in a page of the
 pool (:mod:`k3jax.model.pool`). Gathering those states into a dense batch, stepping it and
 scattering it back moves each state three times; this kernel reads it once from its page and
-writes it once. The pool is passed as its float32 state view ``[N, HV, rows, V]``: head ``h`` of
-page ``p`` is ``rows`` rows of ``V`` words, and one layer's state ``f32[K, V]`` is the ``K`` rows
-from ``state_row`` (a layer's offset, traced under a scan over layers).
+writes it once. The pool is passed as its state view ``[N, HV, rows, V]`` of 32-bit words
+(``uint32``, the pool's own dtype, read and written as float32 inside the kernel: a bitcast
+outside it would make XLA copy the whole pool): head ``h`` of page ``p`` is ``rows`` rows of
+``V`` words, and one layer's state ``f32[K, V]`` is the ``K`` rows from ``state_row`` (a layer's
+offset, traced under a scan over layers).
 
 Grid ``(B, HV, V / BV)`` as :mod:`pallas_kernels.kda.decode_gpu`'s (the same per-head math,
 :mod:`pallas_kernels.kda._window`): each program steps ``f32[K, BV]`` of one row's state.
@@ -38,7 +40,7 @@ def _kernel(src_ref, dst_ref, ckpt_ref, row_ref, q_ref, k_ref, v_ref, g_ref, bet
     in_pool = lambda p: (p >= 0) & (p < num_pages)
     src, dst, ckpt = src_ref[b], dst_ref[b], ckpt_ref[b]
     S = pool_ref[jnp.clip(src, 0, num_pages - 1), h, rows, cols]
-    S = jnp.where(in_pool(src), S, 0.0)
+    S = jnp.where(in_pool(src), jax.lax.bitcast_convert_type(S, _F32), 0.0)
     hq = h // rep
     S, _ = delta_rule(S, k_ref[b, hq].astype(_F32), v_ref[b, h, :, cols].astype(_F32), g_ref[b, h].astype(_F32),
                       beta_ref[b, h].astype(_F32))
@@ -46,7 +48,7 @@ def _kernel(src_ref, dst_ref, ckpt_ref, row_ref, q_ref, k_ref, v_ref, g_ref, bet
     for page in (dst, ckpt):
         @pl.when(in_pool(page))
         def _(page=page):
-            pool_out_ref[page, h, rows, cols] = S
+            pool_out_ref[page, h, rows, cols] = jax.lax.bitcast_convert_type(S, pool_out_ref.dtype)
 
 
 def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, *, scale=None, block_v=None,
@@ -54,8 +56,8 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
     """One decode token per row on pages of the unified pool.
 
     Args:
-      states: ``f32[N, HV, rows, V]``, the pool's state view (updated in place when the caller
-        donates it); state_row: ``i32`` scalar, the first of this layer's ``K`` rows;
+      states: ``[N, HV, rows, V]`` of ``uint32`` (the pool's state view, float32 bits) or
+        ``float32``, updated in place when the caller donates it; state_row: ``i32`` scalar, the first of this layer's ``K`` rows;
       src, dst, checkpoint: ``i32[B]`` page ids per row: the state is read from ``src`` (out of
         ``[0, N)``: zeros, a fresh request) and the new state written to ``dst`` and to
         ``checkpoint`` (out of range: not written; padding rows use -1);
@@ -66,8 +68,8 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
     """
     N, HV, num_rows, V = states.shape
     B, H, K = k.shape
-    if states.dtype != _F32 or HV % H or num_rows < K:
-        raise ValueError(f"states must be f32[N, HV, rows >= K, V] with HV a multiple of H={H}, "
+    if states.dtype not in (_F32, jnp.uint32) or HV % H or num_rows < K:
+        raise ValueError(f"states must be f32 or u32[N, HV, rows >= K, V] with HV a multiple of H={H}, "
                          f"got {states.dtype}{list(states.shape)} for K={K}")
     for name, x, shape in (("q", q, (B, H, K)), ("v", v, (B, HV, V)), ("g", g, (B, HV, K)), ("beta", beta, (B, HV)),
                            ("src", src, (B,)), ("dst", dst, (B,)), ("checkpoint", checkpoint, (B,))):
@@ -83,7 +85,7 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
     o, states = pl.pallas_call(
         kernel,
         grid=(B, HV, V // BV),
-        out_shape=(jax.ShapeDtypeStruct((B, HV, 1, V), v.dtype), jax.ShapeDtypeStruct(states.shape, _F32)),
+        out_shape=(jax.ShapeDtypeStruct((B, HV, 1, V), v.dtype), jax.ShapeDtypeStruct(states.shape, states.dtype)),
         input_output_aliases={9: 1},
         compiler_params=None if interpret else triton_params(num_warps, 1),
         interpret=interpret,

@@ -20,31 +20,48 @@ from jax.experimental import pallas as pl
 _F32 = jnp.float32
 
 
+def _unpack(words, dtype):
+    """``u32`` words of latent rows -> their values in ``dtype`` as parts: float32, the words
+    themselves; bf16 (two to a word, the even element in the low half), ``(even, odd)``."""
+    if dtype == _F32:
+        return (jax.lax.bitcast_convert_type(words, _F32),)
+    even = jax.lax.bitcast_convert_type(jax.lax.shift_left(words, jnp.uint32(16)), _F32)
+    odd = jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), _F32)
+    return even.astype(dtype), odd.astype(dtype)
+
+
 def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l_ref, *, page_tokens: int, tile: int,
-            per_split: int, scale: float, L: int, R: int, H: int):
+            per_split: int, scale: float, L: int, H: int, dtype):
     q, sp = pl.program_id(0), pl.program_id(1)
     lo = sp * per_split
     hi = jnp.minimum(lo + per_split, len_ref[q])
     base = layer_ref[0] * page_tokens
-    ql, qr = ql_ref[q], qr_ref[q]  # [H, L], [H, R]
+    parts = ql_ref.shape[0]  # values per word
+    qs = [ql_ref[j, q] for j in range(parts)] + [qr_ref[j, q] for j in range(parts)]  # [H, L / parts], [H, R / parts]
     dot = functools.partial(jnp.dot, preferred_element_type=_F32,
-                            precision=jax.lax.Precision.HIGHEST if ql.dtype == _F32 else None)
+                            precision=jax.lax.Precision.HIGHEST if dtype == _F32 else None)
+
+    def score(a, b):  # [H, n] x [tile, n] -> [H, tile]; Triton dots need n >= 16
+        return dot(a, b.T) if b.shape[-1] >= 16 else jnp.sum(a[:, None, :].astype(_F32) * b[None].astype(_F32), -1)
 
     def body(it, carry):
         m, l, acc = carry
         t0 = lo + it * tile
         page = bt_ref[q, t0 // page_tokens]
-        rows = pl.ds(base + t0 % page_tokens, tile)
-        kl, kr = lat_ref[page, rows, pl.ds(0, L)], lat_ref[page, rows, pl.ds(L, R)]  # [tile, L], [tile, R]
-        s = (dot(ql, kl.T) + dot(qr, kr.T)) * scale  # [H, tile]
+        rows, Lw = pl.ds(base + t0 % page_tokens, tile), L // parts
+        kl = _unpack(lat_ref[page, rows, pl.ds(0, Lw)], dtype)  # parts of [tile, L / parts]
+        kr = _unpack(lat_ref[page, rows, pl.ds(Lw, lat_ref.shape[2] - Lw)], dtype)  # parts of [tile, R / parts]
+        s = sum(score(a, b) for a, b in zip(qs, kl + kr)) * scale  # [H, tile]
         s = jnp.where((t0 + jnp.arange(tile))[None, :] < hi, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[:, None])
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + dot(p.astype(kl.dtype), kl)
+        acc = tuple(a * alpha[:, None] + dot(p.astype(dtype), k) for a, k in zip(acc, kl))
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    init = (jnp.full((H,), -jnp.inf, _F32), jnp.zeros((H,), _F32), jnp.zeros((H, L), _F32))
+    init = (jnp.full((H,), -jnp.inf, _F32), jnp.zeros((H,), _F32), (jnp.zeros((H, L // parts), _F32),) * parts)
     m, l, acc = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), tile), body, init)
-    o_ref[q, sp] = acc
+    for j in range(parts):
+        o_ref[q, sp, j] = acc[j]
     m_ref[q, sp] = m
     l_ref[q, sp] = l
 
@@ -56,9 +73,11 @@ def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, pa
     row's first ``lengths[i]`` tokens.
 
     Args:
-      q_lat: ``[Q, H, L]`` (q_nope through ``w_uk``); q_rope: ``[Q, H, R]``; in the latents' dtype.
-      latents: ``[N, rows, L + R]``: page ``p``'s row ``layer * page_tokens + t`` is token ``t`` of
-        that page for MLA layer ``layer`` (:func:`k3jax.model.pool.latent_view`).
+      q_lat: ``[Q, H, L]`` (q_nope through ``w_uk``); q_rope: ``[Q, H, R]``; in the latents' dtype
+        (float32 or bfloat16).
+      latents: ``u32[N, rows, (L + R) * itemsize / 4]``, the pool's words (:func:`k3jax.model.pool.latent_words`;
+        the kernel unpacks them: a bitcast outside it would make XLA copy the whole pool): page
+        ``p``'s row ``layer * page_tokens + t`` is token ``t`` of that page for MLA layer ``layer``.
       block_tables: ``i32[Q, blocks]`` each query row's page ids; lengths: ``i32[Q]`` tokens it
         attends to (0: none, output 0); layer: ``i32`` scalar (may be traced).
       page_tokens: a multiple of ``tile``; splits: programs per query row (None: enough for the
@@ -70,6 +89,11 @@ def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, pa
         interpret = jax.default_backend() == "cpu"
     Q, H, L = q_lat.shape
     R = q_rope.shape[-1]
+    dtype = jnp.dtype(q_lat.dtype)
+    parts = 4 // dtype.itemsize
+    if latents.dtype != jnp.uint32 or latents.shape[-1] * parts != L + R or dtype not in (_F32, jnp.bfloat16):
+        raise ValueError(f"latents must be u32[N, rows, (L + R) / {parts}] words of {dtype} latents (L + R = {L + R}), "
+                         f"got {latents.dtype}{list(latents.shape)}; q in float32 or bfloat16")
     if page_tokens % tile:
         raise ValueError(f"page_tokens {page_tokens} must be a multiple of tile {tile}")
     context = block_tables.shape[1] * page_tokens
@@ -77,17 +101,18 @@ def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, pa
         splits = max(1, min(context // tile, -(-132 * 2 // max(Q, 1))))
     per_split = -(-context // splits // tile) * tile
     Hp = max(H, 16)  # Triton dots take at least 16 rows
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0)))
-    out_shape = (jax.ShapeDtypeStruct((Q, splits, Hp, L), _F32), jax.ShapeDtypeStruct((Q, splits, Hp), _F32),
-                 jax.ShapeDtypeStruct((Q, splits, Hp), _F32))
+    # [Q, H, n] -> [parts, Q, Hp, n / parts]: the values each part of a word holds
+    split = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0))).reshape(Q, Hp, -1, parts), -1, 0)
+    out_shape = (jax.ShapeDtypeStruct((Q, splits, parts, Hp, L // parts), _F32),
+                 jax.ShapeDtypeStruct((Q, splits, Hp), _F32), jax.ShapeDtypeStruct((Q, splits, Hp), _F32))
     kernel = functools.partial(_kernel, page_tokens=page_tokens, tile=tile, per_split=per_split, scale=scale, L=L,
-                               R=R, H=Hp)
+                               H=Hp, dtype=dtype)
     acc, m, l = pl.pallas_call(kernel, grid=(Q, splits), out_shape=out_shape, interpret=interpret,
                                name="paged_mla_decode")(
         block_tables.astype(jnp.int32), lengths.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
-        pad(q_lat), pad(q_rope.astype(q_lat.dtype)), latents)
+        split(q_lat), split(q_rope.astype(dtype)), latents)
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))  # empty splits (m = -inf) weigh 0
     total = jnp.sum(w * l, axis=1)
-    o = jnp.sum(w[..., None] * acc, axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
-    return o[:, :H]
+    o = jnp.sum(w[:, :, None, :, None] * acc, axis=1) / jnp.where(total > 0, total, 1.0)[:, None, :, None]
+    return jnp.moveaxis(o, 1, -1).reshape(Q, Hp, L)[:, :H]  # the parts interleaved again

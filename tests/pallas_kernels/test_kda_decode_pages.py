@@ -16,11 +16,12 @@ from pallas_kernels.kda.decode_pages import kda_decode_pages
 from tests.helpers import assert_close, kda_inputs, random_state
 
 
-@pytest.mark.parametrize("B,H,HV,K,V,rows,state_row,dtype", [
-    (5, 2, 4, 16, 64, 40, 16, jnp.float32),  # GQA (rep 2); the layer's rows in the middle of a head
-    (3, 1, 2, 32, 32, 32, 0, jnp.bfloat16),  # the state fills the head
+@pytest.mark.parametrize("B,H,HV,K,V,rows,state_row,dtype,words", [
+    (5, 2, 4, 16, 64, 40, 16, jnp.float32, jnp.uint32),  # GQA (rep 2); the layer's rows in a head's middle
+    (3, 1, 2, 32, 32, 32, 0, jnp.bfloat16, jnp.float32),  # the state fills the head
 ])
-def test_decode_pages_matches_reference(gpu_run, B, H, HV, K, V, rows, state_row, dtype):
+def test_decode_pages_matches_reference(gpu_run, B, H, HV, K, V, rows, state_row, dtype, words):
+    """``words``: the pool's dtype as the kernel gets it (uint32: the serving pool's own words)."""
     N = 9
     q, k, v, g, beta = (x[:, 0] for x in kda_inputs(B, B, 1, H, HV, K, V, dtype=dtype))
     pool = random_state(B + 1, (N, HV, rows, V))
@@ -31,8 +32,10 @@ def test_decode_pages_matches_reference(gpu_run, B, H, HV, K, V, rows, state_row
     ckpt = np.array([-1, 8, -1] + [-1] * (B - 3), np.int32)
     before = np.asarray(pool)
     run = jax.jit(functools.partial(kda_decode_pages, interpret=gpu_run["interpret"]), donate_argnums=(0,))
-    o, pool = run(pool, jnp.int32(state_row), *map(jnp.asarray, (src, dst, ckpt)), q, k, v, g, beta)
-    after = np.asarray(pool)
+    o, pool = run(jax.lax.bitcast_convert_type(pool, words), jnp.int32(state_row), *map(jnp.asarray, (src, dst, ckpt)),
+                  q, k, v, g, beta)
+    assert pool.dtype == words
+    after = np.asarray(jax.lax.bitcast_convert_type(pool, jnp.float32))
 
     layer = slice(state_row, state_row + K)
     s0 = np.where((src >= 0)[:, None, None, None], before[np.maximum(src, 0)][:, :, layer], 0.0)

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from k3jax.model import ModelConfig
-from k3jax.model.pool import PoolLayout, latent_view, read_latents
+from k3jax.model.pool import PoolLayout, latent_words, read_latents
 from pallas_kernels.mla import paged_mla_decode
 
 
@@ -39,7 +39,7 @@ def _case(dtype, seed, H=2, L=32, R=16, page_tokens=64, blocks=3, N=12, Q=6):
     rows = lay.page_words * 4 // jnp.dtype(dtype).itemsize // lay.latent
     lat = jnp.asarray(rng.standard_normal((N, lay.page_words, 4 // jnp.dtype(dtype).itemsize)), dtype)
     pool = jax.lax.bitcast_convert_type(lat if lat.shape[-1] > 1 else lat[..., 0], jnp.uint32)
-    assert latent_view(lay, pool).shape == (N, rows, L + R)
+    assert latent_words(lay, pool).shape == (N, rows, lay.row_words)
     bt = np.stack([rng.choice(N, blocks, replace=False) for _ in range(Q)]).astype(np.int32)
     bt[1, 2] = -1
     lengths = np.array([0, 1, page_tokens, page_tokens + 5, blocks * page_tokens, 2 * page_tokens - 1], np.int32)
@@ -56,7 +56,7 @@ def test_paged_attention_matches_the_gathered_one(dtype, splits):
         want = _reference(lay, pool, layer, bt, lengths, q_lat, q_rope, scale)
         run = jax.jit(partial(paged_mla_decode, page_tokens=lay.page_tokens, scale=scale, tile=16, splits=splits,
                               interpret=True))
-        got = run(q_lat, q_rope, latent_view(lay, pool), bt, lengths, jnp.int32(layer))
+        got = run(q_lat, q_rope, latent_words(lay, pool), bt, lengths, jnp.int32(layer))
         tol = 1e-5 if dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
         assert not np.any(np.asarray(got[0]))  # length 0: nothing attended, zeros
@@ -67,7 +67,7 @@ def test_paged_attention_lowers_for_the_h200():
     (32 heads, L = 512, R = 64, bf16)."""
     Q, H, L, R, N, rows, blocks = 8, 32, 512, 64, 16, 1024, 4
     spec = jax.ShapeDtypeStruct
-    args = (spec((Q, H, L), jnp.bfloat16), spec((Q, H, R), jnp.bfloat16), spec((N, rows, L + R), jnp.bfloat16),
+    args = (spec((Q, H, L), jnp.bfloat16), spec((Q, H, R), jnp.bfloat16), spec((N, rows, (L + R) // 2), jnp.uint32),
             spec((Q, blocks), jnp.int32), spec((Q,), jnp.int32), spec((), jnp.int32))
     f = jax.jit(partial(paged_mla_decode, page_tokens=256, scale=0.1, interpret=False))
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")

@@ -188,7 +188,7 @@ class StepEngine(EngineBase):
         chunks per step; max_chunk: tokens per chunk.
       prefix_cache: share prompt prefixes across requests (SERVING.md); hash_tokens: its hash
         block (the reuse unit; pages are a multiple of it).
-      num_pages: pool pages (None: 80% of the device's free memory on an accelerator, else enough
+      num_pages: pool pages (None: 30% of the device's free memory on an accelerator, else enough
         for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
         a KDA state page allows, a multiple of the hash block).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
@@ -381,6 +381,7 @@ class StepEngine(EngineBase):
 def _default_pages(lay: PoolLayout, max_running: int, per_request: int) -> int:
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
-        # 80%: the step's activations (latent gathers, scores) need the rest
-        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0), fraction=0.8)
+        # 30%: a prefill bucket's compiled step holds up to two copies of the pool as temporaries
+        # on the GPU (H100, 2026-12-06: pool 3.7 GiB, temporaries 7.3 GiB), plus its activations
+        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0), fraction=0.3)
     return max_running * per_request

@@ -216,15 +216,11 @@ def state_row(lay: PoolLayout, layer):
     return layer * lay.K
 
 
-def _mla_view(lay: PoolLayout, pool):
-    return pool.reshape(pool.shape[0], lay.page_words // lay.row_words, lay.row_words)
-
-
 def latent_words(lay: PoolLayout, pool):
     """The pool as latent rows of words ``u32[N, page_words / row_words, row_words]`` (a reshape,
     no copy): the input of a paged attention kernel, which unpacks the ``latent_dtype`` values
     (:func:`_to_words`'s packing); a bitcast of the whole pool here would make XLA copy it."""
-    return _mla_view(lay, pool)
+    return pool.reshape(pool.shape[0], lay.page_words // lay.row_words, lay.row_words)
 
 
 def token_pages(lay: PoolLayout, block_tables, rows, positions):
@@ -238,7 +234,7 @@ def token_pages(lay: PoolLayout, block_tables, rows, positions):
 
 def write_latents(lay: PoolLayout, pool, layer, pages, offsets, latents):
     """Write ``latents [T, L + R]`` of MLA layer ``layer`` (may be traced) at ``(pages, offsets) i32[T]``."""
-    view = _mla_view(lay, pool)
+    view = latent_words(lay, pool)
     ids = _write_ids(pages, pool.shape[0])
     view = view.at[ids, layer * lay.page_tokens + offsets].set(_to_words(latents, lay.latent_dtype), mode="drop")
     return view.reshape(pool.shape)
@@ -253,5 +249,5 @@ def read_latents(lay: PoolLayout, pool, layer, block_tables, num_tokens: int, le
     pos = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (R, num_tokens))
     page, off = token_pages(lay, block_tables, jnp.arange(R, dtype=jnp.int32)[:, None], pos)
     valid = (page >= 0) & (pos < lengths[:, None])
-    words = _mla_view(lay, pool)[jnp.clip(page, 0, pool.shape[0] - 1), layer * lay.page_tokens + off]
+    words = latent_words(lay, pool)[jnp.clip(page, 0, pool.shape[0] - 1), layer * lay.page_tokens + off]
     return _from_words(jnp.where(valid[..., None], words, 0), lay.latent_dtype)

@@ -57,7 +57,8 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
 
     Args:
       states: ``[N, HV, rows, V]`` of ``uint32`` (the pool's state view, float32 bits) or
-        ``float32``, updated in place when the caller donates it; state_row: ``i32`` scalar, the first of this layer's ``K`` rows;
+        ``float32``, updated in place when the caller donates it;
+      state_row: ``i32`` scalar, the first of this layer's ``K`` rows;
       src, dst, checkpoint: ``i32[B]`` page ids per row: the state is read from ``src`` (out of
         ``[0, N)``: zeros, a fresh request) and the new state written to ``dst`` and to
         ``checkpoint`` (out of range: not written; padding rows use -1);

@@ -1,5 +1,6 @@
 """KDA decode on the unified page pool: one token per row, the state read from one page and
-written to others in place (GPU, Pallas Triton lowering; interpreted on CPU for tests).
+written to others in place (GPU, Pallas Triton lowering, interpreted on CPU for tests; the TPU
+version is :mod:`pallas_kernels.kda.decode_pages_tpu`).
 
 The serving step keeps each request's recurrent state for every KDA layer in a page of the
 pool (:mod:`k3jax.model.pool`). Gathering those states into a dense batch, stepping it and
@@ -27,7 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda._window import DECODE, delta_rule, readout
+from pallas_kernels.kda.decode import default_interpret
 from pallas_kernels.kda.decode_gpu import default_block_v
+from pallas_kernels.kda.decode_pages_tpu import kda_decode_pages_tpu
 from pallas_kernels.kda.gpu_common import triton_params
 
 _F32 = jnp.float32
@@ -52,7 +55,7 @@ def _kernel(src_ref, dst_ref, ckpt_ref, row_ref, q_ref, k_ref, v_ref, g_ref, bet
 
 
 def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, *, scale=None, block_v=None,
-                     num_warps=8, interpret=None):
+                     num_warps=8, interpret=None, backend=None):
     """One decode token per row on pages of the unified pool.
 
     Args:
@@ -63,7 +66,9 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
         ``[0, N)``: zeros, a fresh request) and the new state written to ``dst`` and to
         ``checkpoint`` (out of range: not written; padding rows use -1);
       q, k: ``[B, H, K]``; v: ``[B, HV, V]``; g: ``[B, HV, K]`` log decay; beta: ``[B, HV]``;
-      scale: None is ``K ** -0.5``; interpret: None interprets on CPU and compiles elsewhere.
+      scale: None is ``K ** -0.5``; interpret: None interprets on CPU and compiles elsewhere;
+      backend: "gpu" (Triton), "tpu" (Mosaic; ``interpret`` as for :mod:`pallas_kernels.kda.decode`),
+        None: "tpu" on a TPU, else "gpu".
     Returns:
       ``(o [B, HV, V] in v.dtype, states)``.
     """
@@ -76,13 +81,16 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
                            ("src", src, (B,)), ("dst", dst, (B,)), ("checkpoint", checkpoint, (B,))):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    scale = float(K**-0.5 if scale is None else scale)
+    ids = [x.astype(jnp.int32) for x in (src, dst, checkpoint)] + [jnp.reshape(state_row, (1,)).astype(jnp.int32)]
+    if (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu")) == "tpu":
+        return kda_decode_pages_tpu(states, ids[3], *ids[:3], q, k, v, g, beta, scale=scale,
+                                    interpret=default_interpret(interpret))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     BV = min(block_v or default_block_v(DECODE, B, HV, V), V)
     col, row = (lambda x: x[..., None]), (lambda x: x[..., None, :])
-    kernel = functools.partial(_kernel, K=K, BV=BV, rep=HV // H, num_pages=N,
-                               scale=float(K**-0.5 if scale is None else scale))
-    ids = [x.astype(jnp.int32) for x in (src, dst, checkpoint)] + [jnp.reshape(state_row, (1,)).astype(jnp.int32)]
+    kernel = functools.partial(_kernel, K=K, BV=BV, rep=HV // H, num_pages=N, scale=scale)
     o, states = pl.pallas_call(
         kernel,
         grid=(B, HV, V // BV),

@@ -6,7 +6,8 @@ GPU kernel on the Pallas Triton lowering (interpreted on CPU for tests). Grid ``
 program per (query row, split of its context); a program walks its split in tiles of ``tile``
 tokens, loads each tile's latent rows from the row's page (the page id from the block table),
 and keeps ``m``, ``l`` and the weighted latent sum ``acc [H, L]`` in registers; the splits are
-merged afterwards (flash decoding). A TPU (Mosaic) version is not written yet.
+merged afterwards (flash decoding). The TPU (Mosaic) version, with the same contract, is
+:mod:`pallas_kernels.mla.paged_decode_tpu` (``backend="tpu"``).
 """
 
 from __future__ import annotations
@@ -17,17 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mla._words import check_latents, unpack
+from pallas_kernels.mla.paged_decode_tpu import paged_mla_decode_tpu
+
 _F32 = jnp.float32
-
-
-def _unpack(words, dtype):
-    """``u32`` words of latent rows -> their values in ``dtype`` as parts: float32, the words
-    themselves; bf16 (two to a word, the even element in the low half), ``(even, odd)``."""
-    if dtype == _F32:
-        return (jax.lax.bitcast_convert_type(words, _F32),)
-    even = jax.lax.bitcast_convert_type(jax.lax.shift_left(words, jnp.uint32(16)), _F32)
-    odd = jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), _F32)
-    return even.astype(dtype), odd.astype(dtype)
 
 
 def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l_ref, *, page_tokens: int, tile: int,
@@ -49,8 +43,8 @@ def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l
         t0 = lo + it * tile
         page = bt_ref[q, t0 // page_tokens]
         rows, Lw = pl.ds(base + t0 % page_tokens, tile), L // parts
-        kl = _unpack(lat_ref[page, rows, pl.ds(0, Lw)], dtype)  # parts of [tile, L / parts]
-        kr = _unpack(lat_ref[page, rows, pl.ds(Lw, lat_ref.shape[2] - Lw)], dtype)  # parts of [tile, R / parts]
+        kl = unpack(lat_ref[page, rows, pl.ds(0, Lw)], dtype)  # parts of [tile, L / parts]
+        kr = unpack(lat_ref[page, rows, pl.ds(Lw, lat_ref.shape[2] - Lw)], dtype)  # parts of [tile, R / parts]
         s = sum(score(a, b) for a, b in zip(qs, kl + kr)) * scale  # [H, tile]
         s = jnp.where((t0 + jnp.arange(tile))[None, :] < hi, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -66,9 +60,9 @@ def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l
     l_ref[q, sp] = l
 
 
-@functools.partial(jax.jit, static_argnames=("page_tokens", "scale", "tile", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("page_tokens", "scale", "tile", "splits", "interpret", "backend"))
 def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, page_tokens: int, scale: float,
-                     tile: int = 64, splits: int | None = None, interpret: bool | None = None):
+                     tile: int = 64, splits: int | None = None, interpret=None, backend: str | None = None):
     """``softmax(scale * (q_lat . lat[:, :L] + q_rope . lat[:, L:])) @ lat[:, :L]`` over each query
     row's first ``lengths[i]`` tokens.
 
@@ -81,19 +75,22 @@ def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, pa
       block_tables: ``i32[Q, blocks]`` each query row's page ids; lengths: ``i32[Q]`` tokens it
         attends to (0: none, output 0); layer: ``i32`` scalar (may be traced).
       page_tokens: a multiple of ``tile``; splits: programs per query row (None: enough for the
-        GPU's cores at small batch); interpret: None interprets on CPU and compiles elsewhere.
+        GPU's cores at small batch); interpret: None interprets on CPU and compiles elsewhere;
+      backend: "gpu" (Triton), "tpu" (Mosaic: one program per page, ``tile`` and ``splits``
+        unused; ``interpret`` True or ``pltpu.InterpretParams`` for the Mosaic interpreter), None:
+        "tpu" on a TPU, else "gpu".
     Returns:
       ``f32[Q, H, L]``.
     """
+    if (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu")) == "tpu":
+        return paged_mla_decode_tpu(q_lat, q_rope, latents, block_tables, lengths, layer, page_tokens=page_tokens,
+                                    scale=scale, interpret=bool(jax.default_backend() == "cpu") if interpret is None
+                                    else interpret)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     Q, H, L = q_lat.shape
-    R = q_rope.shape[-1]
     dtype = jnp.dtype(q_lat.dtype)
-    parts = 4 // dtype.itemsize
-    if latents.dtype != jnp.uint32 or latents.shape[-1] * parts != L + R or dtype not in (_F32, jnp.bfloat16):
-        raise ValueError(f"latents must be u32[N, rows, (L + R) / {parts}] words of {dtype} latents (L + R = {L + R}), "
-                         f"got {latents.dtype}{list(latents.shape)}; q in float32 or bfloat16")
+    parts = check_latents(q_lat, q_rope, latents)
     if page_tokens % tile:
         raise ValueError(f"page_tokens {page_tokens} must be a multiple of tile {tile}")
     context = block_tables.shape[1] * page_tokens

@@ -24,6 +24,8 @@ BUCKET = dict(num_decode=4, num_tokens=48, num_rows=7, max_blocks=3)
 # the Pallas decode kernels on pages (interpreted): MLA attention and the KDA state step
 PAGED = StepKernels(mla_decode=partial(paged_mla_decode, tile=16, interpret=True),
                     kda_decode=partial(kda_decode_pages, interpret=True))
+PAGED_TPU = StepKernels(mla_decode=partial(paged_mla_decode, interpret=True, backend="tpu"),
+                        kda_decode=partial(kda_decode_pages, interpret=True, backend="tpu"))
 
 
 # tiny with 7 layers: layers 1-3 and 4-6 are one period (KDA, MLA, KDA; MoE) twice
@@ -102,15 +104,17 @@ def _reference(cfg, params, seqs):
     return [np.asarray(run(jnp.asarray(s))) for s in seqs]
 
 
-@pytest.mark.parametrize("config,scan,paged", [("configs/tiny.json", False, False), ("configs/tiny_k3.json", False, False),
-                                               ("seven_layers", True, False), ("configs/tiny_k3.json", True, True)])
-def test_step_matches_forward_float32(config, scan, paged):
+@pytest.mark.parametrize("config,scan,kernels", [
+    ("configs/tiny.json", False, StepKernels()), ("configs/tiny_k3.json", False, StepKernels()),
+    ("seven_layers", True, StepKernels()), ("configs/tiny_k3.json", True, PAGED),
+    pytest.param("configs/tiny.json", False, PAGED_TPU, marks=pytest.mark.slow)])
+def test_step_matches_forward_float32(config, scan, kernels):
     """The step's logits equal the reference forward's, unrolled and scanned, with the Pallas
-    decode kernels on pages (interpreted) or the gathered attention and states."""
+    decode kernels on pages (GPU and TPU versions, interpreted) or the gathered attention and states."""
     cfg, params = _tiny(**SEVEN_LAYERS) if config == "seven_layers" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)
-    runner = Runner(cfg, params, jnp.float32, scan=scan, kernels=PAGED if paged else StepKernels())
+    runner = Runner(cfg, params, jnp.float32, scan=scan, kernels=kernels)
     assert not scan or runner.params["runs"], "the scanned case must scan"
     page0 = np.asarray(runner.pool[0])
     for seq, pos, lg in _schedule(runner, seqs):

@@ -1,6 +1,7 @@
 """The KDA decode kernel on pages of the unified pool against :func:`k3jax.ops.kda.kda_decode_step`:
 the state read from ``src`` (or zeros), written to ``dst`` and ``checkpoint`` at the layer's rows,
-every other word of the pool unchanged (interpreted on CPU; compiled with ``-m gpu``)."""
+every other word of the pool unchanged (the GPU and TPU kernels interpreted on CPU, the GPU one
+compiled with ``-m gpu``; the TPU one lowers for a TPU)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops.kda import kda_decode_step
 from pallas_kernels.kda.decode_pages import kda_decode_pages
-from tests.helpers import assert_close, kda_inputs, random_state
+from tests.helpers import assert_close, kda_inputs, kernel_backends, random_state
+
+run = kernel_backends("tpu", pltpu.InterpretParams(detect_races=True))
 
 
 @pytest.mark.parametrize("B,H,HV,K,V,rows,state_row,dtype,words", [
     (5, 2, 4, 16, 64, 40, 16, jnp.float32, jnp.uint32),  # GQA (rep 2); the layer's rows in a head's middle
     (3, 1, 2, 32, 32, 32, 0, jnp.bfloat16, jnp.float32),  # the state fills the head
 ])
-def test_decode_pages_matches_reference(gpu_run, B, H, HV, K, V, rows, state_row, dtype, words):
+def test_decode_pages_matches_reference(run, B, H, HV, K, V, rows, state_row, dtype, words):
     """``words``: the pool's dtype as the kernel gets it (uint32: the serving pool's own words)."""
     N = 9
     q, k, v, g, beta = (x[:, 0] for x in kda_inputs(B, B, 1, H, HV, K, V, dtype=dtype))
@@ -31,8 +35,8 @@ def test_decode_pages_matches_reference(gpu_run, B, H, HV, K, V, rows, state_row
     dst = np.array([3, 1, 7] + [-1] * (B - 3), np.int32)
     ckpt = np.array([-1, 8, -1] + [-1] * (B - 3), np.int32)
     before = np.asarray(pool)
-    run = jax.jit(functools.partial(kda_decode_pages, interpret=gpu_run["interpret"]), donate_argnums=(0,))
-    o, pool = run(jax.lax.bitcast_convert_type(pool, words), jnp.int32(state_row), *map(jnp.asarray, (src, dst, ckpt)),
+    step = jax.jit(functools.partial(kda_decode_pages, **run), donate_argnums=(0,))
+    o, pool = step(jax.lax.bitcast_convert_type(pool, words), jnp.int32(state_row), *map(jnp.asarray, (src, dst, ckpt)),
                   q, k, v, g, beta)
     assert pool.dtype == words
     after = np.asarray(jax.lax.bitcast_convert_type(pool, jnp.float32))
@@ -65,3 +69,14 @@ def test_decode_pages_rejects_bad_shapes():
         kda_decode_pages(jnp.zeros((4, 2, 8, 16)), 0, ids, ids, ids, q, k, v, g, beta)  # rows < K
     with pytest.raises(ValueError, match="beta must have shape"):
         kda_decode_pages(jnp.zeros((4, 2, 16, 16)), 0, ids, ids, ids, q, k, v, g, beta[:, :1])
+
+
+def test_decode_pages_lowers_for_a_tpu():
+    """jax.export for a TPU at a Kimi-Linear-48B head shape (32 heads, K = V = 128): one Mosaic call."""
+    B, H, K, N, rows = 8, 32, 128, 64, 3 * 128 + 16
+    spec = jax.ShapeDtypeStruct
+    ids = spec((B,), jnp.int32)
+    args = (spec((N, H, rows, K), jnp.uint32), spec((), jnp.int32), ids, ids, ids,
+            *(spec((B, H, K), jnp.bfloat16) for _ in range(4)), spec((B, H), jnp.bfloat16))
+    f = jax.jit(functools.partial(kda_decode_pages, interpret=False, backend="tpu"))
+    assert jax.export.export(f, platforms=["tpu"])(*args).mlir_module().count("tpu_custom_call") == 1

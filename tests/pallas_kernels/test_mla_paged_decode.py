@@ -1,6 +1,7 @@
-"""The paged MLA attention kernel (interpreted on CPU) against the pure-JAX attention over
-gathered latents: random pools, shared and scattered pages, lengths 0, 1, a page boundary and a
-full block table, several splits, a traced layer index; and it lowers for an H200."""
+"""The paged MLA attention kernels (GPU and TPU, interpreted on CPU) against the pure-JAX
+attention over gathered latents: random pools, shared and scattered pages, lengths 0, 1, a page
+boundary and a full block table, several splits, a traced layer index; and they lower for an H200
+and for a TPU."""
 
 import dataclasses
 from functools import partial
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from k3jax.model import ModelConfig
@@ -48,14 +50,17 @@ def _case(dtype, seed, H=2, L=32, R=16, page_tokens=64, blocks=3, N=12, Q=6):
     return lay, pool, jnp.asarray(bt), jnp.asarray(lengths), q_lat, q_rope
 
 
-@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.float32, 3), (jnp.bfloat16, 2)])
-def test_paged_attention_matches_the_gathered_one(dtype, splits):
+@pytest.mark.parametrize("dtype,splits,backend", [
+    (jnp.float32, 1, "gpu"), (jnp.float32, 3, "gpu"), (jnp.bfloat16, 2, "gpu"),
+    (jnp.float32, 1, "tpu"), (jnp.bfloat16, 1, "tpu")])
+def test_paged_attention_matches_the_gathered_one(dtype, splits, backend):
     lay, pool, bt, lengths, q_lat, q_rope = _case(dtype, seed=splits)
     scale = 0.17
+    interpret = pltpu.InterpretParams(detect_races=True) if backend == "tpu" else True
     for layer in (0, 1):
         want = _reference(lay, pool, layer, bt, lengths, q_lat, q_rope, scale)
         run = jax.jit(partial(paged_mla_decode, page_tokens=lay.page_tokens, scale=scale, tile=16, splits=splits,
-                              interpret=True))
+                              interpret=interpret, backend=backend))
         got = run(q_lat, q_rope, latent_words(lay, pool), bt, lengths, jnp.int32(layer))
         tol = 1e-5 if dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
@@ -76,3 +81,13 @@ def test_paged_attention_lowers_for_the_h200():
         module = jax.export.export(f, platforms=["cuda"], disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
     assert module.count("xla.gpu.triton") == 1
+
+
+def test_paged_attention_lowers_for_a_tpu():
+    """jax.export for a TPU at the same shape: one Mosaic call."""
+    Q, H, L, R, N, rows, blocks = 8, 32, 512, 64, 16, 1024, 4
+    spec = jax.ShapeDtypeStruct
+    args = (spec((Q, H, L), jnp.bfloat16), spec((Q, H, R), jnp.bfloat16), spec((N, rows, (L + R) // 2), jnp.uint32),
+            spec((Q, blocks), jnp.int32), spec((Q,), jnp.int32), spec((), jnp.int32))
+    f = jax.jit(partial(paged_mla_decode, page_tokens=256, scale=0.1, interpret=False, backend="tpu"))
+    assert jax.export.export(f, platforms=["tpu"])(*args).mlir_module().count("tpu_custom_call") == 1

@@ -38,6 +38,26 @@ def copy_bandwidth(n_bytes=4 << 30) -> float:
     return 2 * n_bytes / min(ts)
 
 
+def sliced_config(config: str, layers: int = 0) -> ModelConfig:
+    """A config file (or "mid": ``benchmarks.model.MID``) keeping only its first ``layers`` layers (0: all)."""
+    if config == "mid":
+        from benchmarks.model import MID
+        d = dict(MID)
+    else:
+        with open(config) as f:
+            d = json.load(f)
+    if layers:
+        d["num_hidden_layers"] = layers
+        lin = d.get("linear_attn_config", {})
+        for key in ("kda_layers", "full_attn_layers"):
+            if key in lin:
+                lin[key] = [i for i in lin[key] if i <= layers]
+        for key in ("layer_types", "mlp_layer_types"):
+            if key in d:
+                d[key] = d[key][:layers]
+    return ModelConfig.from_hf_dict(d)
+
+
 def kernels_for(cfg, ragged: str, paged_mla: bool = False, paged_kda: bool = False) -> StepKernels:
     chunk = None
     if jax.default_backend() == "gpu":
@@ -221,22 +241,7 @@ def main():
     ap.add_argument("--paged-kda", action="store_true", help="decode KDA states by the Pallas kernel on pages")
     ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each decode step")
     a = ap.parse_args()
-    if a.config == "mid":
-        from benchmarks.model import MID
-        d = dict(MID)
-    else:
-        with open(a.config) as f:
-            d = json.load(f)
-    if a.layers:
-        d["num_hidden_layers"] = a.layers
-        lin = d.get("linear_attn_config", {})
-        for key in ("kda_layers", "full_attn_layers"):
-            if key in lin:
-                lin[key] = [i for i in lin[key] if i <= a.layers]
-        for key in ("layer_types", "mlp_layer_types"):
-            if key in d:
-                d[key] = d[key][: a.layers]
-    cfg = ModelConfig.from_hf_dict(d)
+    cfg = sliced_config(a.config, a.layers)
     meta = {"config": a.config, "layers": cfg.num_layers, "date": datetime.date.today().isoformat(),
             "device": jax.devices()[0].device_kind, "ragged": a.ragged, "scan_layers": a.scan_layers,
             "paged_mla": a.paged_mla, "paged_kda": a.paged_kda}

@@ -1,0 +1,116 @@
+"""The engine's decode rate against its bare compiled step at the same batch (issue 52: at least
+0.9x), on a random bf16 model (default: the first 4 layers of Kimi-Linear-48B-A3B).
+
+``B`` requests of ``--prompt`` random tokens are prefilled, then ``--steps`` engine steps of pure
+decode are timed (``StepEngine.step``: plan, pack, dispatch, read back, emit; async dispatch on).
+The bare step is the engine's own compiled decode bucket called back to back on one packed batch
+of ``B`` rows at the same context (no scheduler, no packing, no read-back but the last).
+
+Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_decode`` (writes ``$OUT/engine_decode.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import write_json
+from benchmarks.model_step import sliced_config
+from k3jax.model import init_params
+from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
+from serving.engine import SamplingParams
+from serving.step_engine import StepEngine, _fed_step
+
+
+def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0) -> float:
+    """Milliseconds per engine step once ``B`` requests of ``prompt`` tokens all decode."""
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(max_tokens=engine.max_len - prompt)
+    reqs = [engine.submit(rng.integers(3, engine.cfg.vocab_size, prompt).tolist(), sp) for _ in range(B)]
+    while any(not r.out for r in reqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = time.perf_counter() - t0
+    for r in reqs:
+        engine.abort(r)
+    engine.step()
+    engine.step()
+    return dt / steps * 1e3
+
+
+def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> float:
+    """Milliseconds per call of the engine's compiled decode bucket for ``B`` rows at ``context``
+    (pages and slots taken from the top of the pool; run after :func:`engine_decode_ms`)."""
+    r = engine.runner
+    nd, _, _ = r.bucket(B, 0)
+    blocks = -(-(context + 1) // r.lay.page_tokens)
+    top = r.num_pages
+    if top < B * (blocks + 1):
+        raise ValueError(f"{top} pages cannot hold {B} rows of {blocks} pages and a state page each")
+    rows = [Row([7], context, list(range(top - (i + 1) * blocks, top - i * blocks)), slot=top - B * blocks - 1 - i)
+            for i in range(B)]
+    batch = pack_batch(r.lay, rows, [], num_decode=nd, num_tokens=nd, num_rows=nd, max_blocks=r.max_blocks,
+                       num_pages=r.num_pages, to_device=False)
+    ints, floats = jax.device_put(flatten_batch(batch))
+    state = {"pool": r.pool, "last": r.last}
+
+    def run():
+        out, state["pool"], state["last"] = _fed_step(r.cfg, r.lay, r.kernels, nd, r.params, state["pool"],
+                                                      state["last"], ints, floats, shapes=batch_shapes(batch),
+                                                      window=1, num_logprobs=r.num_logprobs)
+        return out.tokens
+
+    jax.block_until_ready(run())
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = run()
+    jax.block_until_ready(out)
+    r.pool, r.last = state["pool"], state["last"]
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/kimi_linear_48b_a3b.json", help="a config file, or 'mid'")
+    ap.add_argument("--layers", type=int, default=4, help="keep only the first N layers (0: all)")
+    ap.add_argument("--batches", default="64")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--budget", type=int, default=4096, help="token budget per step")
+    ap.add_argument("--pages-per-row", type=int, default=4, help="pool pages per batch row (the bare step takes half)")
+    a = ap.parse_args()
+    cfg = sliced_config(a.config, a.layers)
+    params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
+            "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps}
+    rows = []
+    for B in map(int, a.batches.split(",")):
+        max_len = a.prompt + 2 * a.steps + 64
+        t0 = time.perf_counter()
+        engine = StepEngine((cfg, params), max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
+                            prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),
+                            num_pages=a.pages_per_row * B + 64)
+        engine.warmup()
+        startup = time.perf_counter() - t0
+        eng = engine_decode_ms(engine, B, a.prompt, a.steps)
+        bare = bare_decode_ms(engine, B, a.prompt + a.steps, a.steps)
+        rows.append({**base, "batch": B, "engine_step_ms": eng, "bare_step_ms": bare, "ratio": bare / eng,
+                     "engine_tokens_per_s": B / eng * 1e3, "startup_s": startup,
+                     "compiles_while_serving": engine.runner.compiles_while_serving})
+        print(json.dumps(rows[-1]), flush=True)
+        del engine
+    write_json(rows, "engine_decode.json")
+
+
+if __name__ == "__main__":
+    main()

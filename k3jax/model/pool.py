@@ -240,14 +240,20 @@ def write_latents(lay: PoolLayout, pool, layer, pages, offsets, latents):
     return view.reshape(pool.shape)
 
 
+def read_latent_tile(lay: PoolLayout, pool, layer, block_table, start, size: int, length):
+    """Latent rows ``[start, start + size)`` of one row's ``block_table i32[blocks]`` for MLA layer
+    ``layer``: ``[size, L + R]``, zeros at or past ``length`` or the table's end (``start``,
+    ``length`` and ``layer`` may be traced): a page's other words may be anything (a KDA page's
+    floats read as bf16 include NaNs), and a masked attention weight of 0 times NaN is NaN."""
+    pos = start + jnp.arange(size, dtype=jnp.int32)
+    page, off = token_pages(lay, block_table[None], jnp.zeros_like(pos), pos)
+    valid = (page >= 0) & (pos < length)
+    words = latent_words(lay, pool)[jnp.clip(page, 0, pool.shape[0] - 1), layer * lay.page_tokens + off]
+    return _from_words(jnp.where(valid[:, None], words, 0), lay.latent_dtype)
+
+
 def read_latents(lay: PoolLayout, pool, layer, block_tables, num_tokens: int, lengths):
     """The first ``num_tokens`` latent rows of every row's block table: ``[R, num_tokens, L + R]``,
-    zeros where ``lengths i32[R]`` (each row's context) or the block table ends: a page's other
-    words may be anything (a KDA page's floats read as bf16 include NaNs), and a masked
-    attention weight of 0 times NaN is NaN."""
-    R = block_tables.shape[0]
-    pos = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (R, num_tokens))
-    page, off = token_pages(lay, block_tables, jnp.arange(R, dtype=jnp.int32)[:, None], pos)
-    valid = (page >= 0) & (pos < lengths[:, None])
-    words = latent_words(lay, pool)[jnp.clip(page, 0, pool.shape[0] - 1), layer * lay.page_tokens + off]
-    return _from_words(jnp.where(valid[..., None], words, 0), lay.latent_dtype)
+    zeros where ``lengths i32[R]`` (each row's context) or the block table ends
+    (:func:`read_latent_tile` for each row)."""
+    return jax.vmap(lambda bt, n: read_latent_tile(lay, pool, layer, bt, 0, num_tokens, n))(block_tables, lengths)

@@ -36,8 +36,9 @@ from k3jax.model.config import ModelConfig
 from k3jax.model.model import (attn_res_mix, glu, init_tree, latent_moe_out, mla_inputs, param_shapes, rms_norm,
                                route)
 from k3jax.model.mxfp4 import MXFP4, dequantize
-from k3jax.model.pool import (PoolLayout, copy_pages, from_state_view, latent_words, read_conv, read_kda, read_latents,
-                              state_row, state_view, token_pages, write_conv, write_kda, write_latents)
+from k3jax.model.pool import (PoolLayout, copy_pages, from_state_view, latent_words, read_conv, read_kda,
+                              read_latent_tile, read_latents, state_row, state_view, token_pages, write_conv, write_kda,
+                              write_latents)
 from k3jax.ops.conv import short_conv, short_conv_step
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
 
@@ -353,6 +354,35 @@ def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
     return mm("...hl,hvl->...hv", mm("...hs,sl->...hl", a, ctx[:, :L]), w_uv)
 
 
+def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block_table, end, *, scale: float,
+                      tile: int):
+    """Absorbed attention of the queries ``mine bool[T]`` of ``q_lat [T, nh, L]``, ``q_rope [T, nh, R]``
+    (those of one row, at positions ``pos i32[T]``) over that row's latents in the pool, read
+    ``tile`` tokens at a time from its ``block_table`` up to its context ``end`` (an online
+    softmax: the work and memory follow the row's context, not the bucket's). Returns the
+    attention-weighted latents ``f32[T, nh, L]`` (zeros for other rows' queries)."""
+    T, H, L = q_lat.shape
+    offs = jnp.arange(tile, dtype=i32)
+
+    def body(j, carry):
+        m, l, acc = carry
+        ctx = read_latent_tile(lay, pool, li, block_table, j * tile, tile, end)  # [tile, L + R]
+        s = (mm("thl,sl->ths", q_lat, ctx[:, :L]) + mm("thr,sr->ths", q_rope, ctx[:, L:])) * scale
+        vis = mine[:, None] & (j * tile + offs[None, :] <= pos[:, None])  # causal; rows past `end` are zeros
+        s = jnp.where(vis[:, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query that has seen nothing yet
+        p, alpha = jnp.exp(s - base[..., None]), jnp.exp(m - base)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + mm("ths,sl->thl", p, ctx[:, :L])
+
+    init = (jnp.full((T, H), -jnp.inf, f32), jnp.zeros((T, H), f32), jnp.zeros((T, H, L), f32))
+    _, l, acc = jax.lax.fori_loop(0, (end + tile - 1) // tile, body, init)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+PREFILL_TILE = 512  # context tokens a prefill row's attention reads per iteration
+
+
 def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li, batch: StepBatch,
               rows: _Rows):
     """MLA sublayer (no positional encoding, as in Kimi Linear) with absorbed ``kv_b``: writes the
@@ -370,12 +400,7 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     if rows.W > 1:  # a window's padding positions were never written: not part of its context
         ends = ends.at[:nd].set(batch.start[:nd] + 1 + batch.draft[:nd])
     paged = nd and kernels.mla_decode is not None
-    first = nd if paged else 0  # the first row gathered
-    if R > first:  # rows attending over gathered latents: [R - first, S, L + R]
-        ctx = read_latents(lay, pool, li, batch.block_tables[first:], S, ends[first:])
     scale = (nope + rope) ** -0.5
-    attend = partial(latent_attention, L=L, scale=scale, w_uv=p["w_uv"])
-    s = jnp.arange(S, dtype=i32)
     outs = []
     if paged:  # each decode token over its own pages
         tables = batch.block_tables[jnp.minimum(rows.row[:nt], R - 1)]
@@ -384,21 +409,23 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
                                jnp.where(rows.live[:nt], rows.pos[:nt] + 1, 0), li, page_tokens=lay.page_tokens,
                                scale=scale)
         outs.append(mm("thl,hvl->thv", o, p["w_uv"]))
-    elif nd:  # each decode row's window of W queries over its own latents
+    elif nd:  # each decode row's window of W queries over its own latents, gathered: [nd, S, L + R]
+        ctx = read_latents(lay, pool, li, batch.block_tables[:nd], S, ends[:nd])
+        attend = partial(latent_attention, L=L, scale=scale, w_uv=p["w_uv"])
         win = lambda a: a[:nt].reshape(nd, rows.W, *a.shape[1:])
-        vis = s[None, None, :] <= win(rows.pos)[..., None]
-        outs.append(jax.vmap(attend)(win(q_lat), win(q_rope), ctx[:nd], vis).reshape(nt, *q_lat.shape[1:2], -1))
+        vis = jnp.arange(S, dtype=i32)[None, None, :] <= win(rows.pos)[..., None]
+        outs.append(jax.vmap(attend)(win(q_lat), win(q_rope), ctx, vis).reshape(nt, *q_lat.shape[1:2], -1))
     if T > nt:
         def one_row(r):
-            vis = (rows.row[nt:, None] == r) & (s[None, :] <= rows.pos[nt:, None])
-            out = attend(q_lat[nt:], q_rope[nt:], ctx[r - first], vis)
-            return jnp.where((rows.row[nt:] == r)[:, None, None], out, 0.0)
+            return prefill_attention(lay, pool, li, q_lat[nt:], q_rope[nt:], rows.row[nt:] == r, rows.pos[nt:],
+                                     batch.block_tables[r], ends[r], scale=scale, tile=min(S, PREFILL_TILE))
 
-        none = jax.eval_shape(one_row, jnp.int32(nd))
-        # a bucket's unused prefill rows (most steps have fewer than its rows) cost nothing
-        row_out = lambda r: jax.lax.cond(batch.cu_seqlens[r + 1] > batch.cu_seqlens[r], one_row,
-                                         lambda r: jnp.zeros(none.shape, none.dtype), r)
-        outs.append(jnp.sum(jax.lax.map(row_out, jnp.arange(nd, R, dtype=i32)), axis=0))
+        # each token's row adds its output; a bucket's unused prefill rows (most steps have fewer
+        # than its rows) cost nothing
+        add_row = lambda r, o: jax.lax.cond(batch.cu_seqlens[r + 1] > batch.cu_seqlens[r],
+                                            lambda r: o + one_row(r), lambda r: o, r)
+        o = jax.lax.fori_loop(nd, R, add_row, jnp.zeros((T - nt, *q_lat.shape[1:]), f32))
+        outs.append(mm("thl,hvl->thv", o, p["w_uv"]))
     o = (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).reshape(T, -1)
     if cfg.mla_output_gate:
         o = o * jax.nn.sigmoid(linear(x, p["g"]))

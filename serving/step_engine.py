@@ -212,20 +212,25 @@ class StepEngine(EngineBase):
                  page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
                  kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE,
                  async_dispatch: bool = True, scan_layers: bool = True, speculative: int = 0, drafter=None,
-                 spec_backoff: int = 16):
+                 spec_backoff: int = 16, params=None):
         if compile_cache:
             use_compile_cache(compile_cache)
-        self.cfg, ref = load_model(model, seed)
+        if params is None:
+            self.cfg, ref = load_model(model, seed)
+            params = prepare_params(self.cfg, ref, dtype)
+            del ref  # before the pool is sized from free memory
+        elif isinstance(model, ModelConfig):
+            self.cfg = model
+        else:
+            raise ValueError("params= (step-format weights) goes with a ModelConfig as model")
         self.max_len = max_len
         lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype,
                                    token_multiple=hash_tokens if prefix_cache else 16)
         if prefix_cache and lay.page_tokens % hash_tokens:
             raise ValueError(f"page_tokens {lay.page_tokens} must be a multiple of hash_tokens {hash_tokens}")
         max_blocks = -(-max_len // lay.page_tokens)
-        params = prepare_params(self.cfg, ref, dtype)
         if scan_layers:
             params = stack_layers(self.cfg, params)
-        del ref  # before the pool is sized from free memory
         if token_budget <= max_running:
             raise ValueError(f"token_budget {token_budget} must exceed max_running {max_running} (room for prefill)")
         max_chunk = max_chunk or token_budget

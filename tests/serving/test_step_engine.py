@@ -11,7 +11,7 @@ import pytest
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
 from k3jax.model.mxfp4 import MXFP4
-from k3jax.model.step import layer_runs
+from k3jax.model.step import layer_runs, prepare_params
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
 from serving.scheduler import Scheduler
@@ -46,10 +46,10 @@ def greedy_reference():
     return out
 
 
-def _engine(**kw):
+def _engine(model=None, **kw):
     args = dict(dtype=jnp.float32, max_running=4, max_len=128, token_budget=64, max_prefill_rows=2,
                 decode_buckets=(4,), prefill_buckets=(64,), prefix_cache=False)
-    return StepEngine(_model(), **{**args, **kw})
+    return StepEngine(model or _model(), **{**args, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,18 @@ def test_greedy_equals_forward_and_nothing_compiles_after_warmup(engine, greedy_
     engine.generate([rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 100, 6)], max_tokens=3)
     assert engine.runner.compiles_while_serving == 0 and _fed_step._cache_size() == traced
     assert engine.sched.pool.num_used == 0 and not engine.has_work()
+
+
+def test_prepared_params_serve_as_the_loaded_model(greedy_reference):
+    """``params=`` (step-format weights, as a model too large to hold twice is given) serves the
+    same tokens; a model that is not a config beside them is refused."""
+    cfg, ref = _model()
+    prepared = prepare_params(cfg, ref, jnp.float32)
+    e = _engine(model=cfg, params=prepared)
+    assert e.cfg is cfg
+    assert [r.token_ids for r in e.generate(PROMPTS[:2], max_tokens=MAX_TOKENS)] == greedy_reference[:2]
+    with pytest.raises(ValueError, match="goes with a ModelConfig"):
+        StepEngine("tiny", params=prepared)
 
 
 @pytest.mark.parametrize("budget,async_dispatch", [(16, True), (256, False), (8192, True)])

@@ -137,36 +137,48 @@ def _kda_words(lay: PoolLayout, layer):
     return layer * (lay.K * lay.V), lay.state_words + layer * lay.conv_words
 
 
-def _gather_heads(view, pages, start, size: int):
-    """``view u32[N, HV, W]`` -> ``u32[B, HV, size]``: words ``[start, start + size)`` of every head
-    of pages ``pages i32[B]`` (in range); ``start`` a scalar, possibly traced."""
-    idx = jnp.stack([pages, jnp.broadcast_to(jnp.asarray(start, pages.dtype), pages.shape)], axis=-1)
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(1, 2), collapsed_slice_dims=(0,), start_index_map=(0, 2))
-    return jax.lax.gather(view, idx, dims, (1, view.shape[1], size), mode=jax.lax.GatherScatterMode.CLIP)
+def _head_rows(lay: PoolLayout, pool):
+    """The pool as one row of ``head_words`` per (page, head): ``u32[N * HV, head_words]`` (a reshape)."""
+    return pool.reshape(pool.shape[0] * lay.HV, lay.head_words)
 
 
-def _scatter_heads(view, pages, start, words):
+def _head_starts(lay: PoolLayout, pages, start):
+    """Gather/scatter start indices ``i32[B, HV, 2]``: (row of page ``p``'s head ``h``, ``start``).
+    Indexing the leading dims in order keeps XLA from transposing the pool: its GPU gather and
+    scatter simplifiers move indexed dims to the front, copying the whole operand otherwise."""
+    rows = pages[:, None] * lay.HV + jnp.arange(lay.HV, dtype=pages.dtype)[None, :]
+    return jnp.stack([rows, jnp.broadcast_to(jnp.asarray(start, pages.dtype), rows.shape)], axis=-1)
+
+
+def _gather_heads(lay: PoolLayout, pool, pages, start, size: int):
+    """``u32[B, HV, size]``: words ``[start, start + size)`` of every head of pages ``pages i32[B]``
+    (in range); ``start`` a scalar, possibly traced."""
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,), start_index_map=(0, 1))
+    return jax.lax.gather(_head_rows(lay, pool), _head_starts(lay, pages, start), dims, (1, size),
+                          mode=jax.lax.GatherScatterMode.CLIP)
+
+
+def _scatter_heads(lay: PoolLayout, pool, pages, start, words):
     """Inverse of :func:`_gather_heads`: write ``words u32[B, HV, size]``; a page id outside
-    ``[0, N)`` writes nothing."""
-    idx = jnp.stack([pages, jnp.broadcast_to(jnp.asarray(start, pages.dtype), pages.shape)], axis=-1)
-    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0,),
-                                           scatter_dims_to_operand_dims=(0, 2))
-    return jax.lax.scatter(view, idx, words, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    ``[0, N)`` writes nothing. Returns the pool."""
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0,),
+                                           scatter_dims_to_operand_dims=(0, 1))
+    out = jax.lax.scatter(_head_rows(lay, pool), _head_starts(lay, pages, start), words, dims,
+                          mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    return out.reshape(pool.shape)
 
 
 def _read_heads(lay: PoolLayout, pool, pages, start, size: int):
     """Words ``[start, start + size)`` of every head of ``pages i32[B]`` as ``f32[B, HV, size]``;
     zeros for a negative page id (a fresh request)."""
-    view = pool.reshape(pool.shape[0], lay.HV, lay.head_words)
-    words = _gather_heads(view, jnp.clip(pages, 0, pool.shape[0] - 1), start, size)
+    words = _gather_heads(lay, pool, jnp.clip(pages, 0, pool.shape[0] - 1), start, size)
     return jnp.where((pages < 0)[:, None, None], 0.0, jax.lax.bitcast_convert_type(words, f32))
 
 
 def _write_heads(lay: PoolLayout, pool, pages, start, values):
     """Inverse of :func:`_read_heads`: ``values f32[B, HV, size]`` in place."""
-    view = pool.reshape(pool.shape[0], lay.HV, lay.head_words)
     words = jax.lax.bitcast_convert_type(values.astype(f32), u32)
-    return _scatter_heads(view, _write_ids(pages, pool.shape[0]), start, words).reshape(pool.shape)
+    return _scatter_heads(lay, pool, _write_ids(pages, pool.shape[0]), start, words)
 
 
 def read_conv(lay: PoolLayout, pool, pages, layer):

@@ -2,7 +2,9 @@
 rows and idle rows on the unified page pool; pages shared between rows; MoE; sampling; errors."""
 
 import json
+import math
 import os
+import re
 from functools import partial
 
 import jax
@@ -137,6 +139,33 @@ def test_layer_runs_find_the_repeating_period():
         covered |= set(range(s, s + P * c))
     assert len(covered) >= 20  # 24 of its 27 layers: one compiled period of 4 instead of 24 layers
     assert layer_runs(_tiny("configs/tiny_k3.json")[0]) == ((1, 2, 2),)  # Block AttnRes too
+
+
+def _pool_index_maps(text: str, pool_size: int) -> list[list[int]]:
+    """The start-index maps of the gathers and scatters in StableHLO ``text`` whose operand has
+    ``pool_size`` elements (the pool or a reshape of it)."""
+    maps = []
+    for m in re.finditer(r"(start_index_map|scatter_dims_to_operand_dims) = \[([0-9, ]*)\]", text):
+        operand = re.search(r": \(tensor<([0-9x]+)x[a-z]", text[m.end():])
+        if math.prod(int(d) for d in operand.group(1).split("x")) == pool_size:
+            maps.append([int(d) for d in m.group(2).split(",")])
+    return maps
+
+
+@pytest.mark.parametrize("kernels", [StepKernels(), PAGED])
+def test_pool_is_indexed_by_its_leading_dims(kernels):
+    """Every gather and scatter on the pool indexes its leading dims in order: XLA's GPU gather
+    and scatter simplifiers transpose an operand indexed otherwise, a copy of the whole pool (seen
+    on the H100: a prefill bucket held two)."""
+    cfg, params = _tiny()
+    lay = PoolLayout.for_model(cfg, page_tokens=16, latent_dtype=jnp.bfloat16)
+    pool = lay.allocate(24)
+    batch = pack_batch(lay, [Row([3], 5, [1], slot=2)], [Row([4] * 20, 0, [3, 4], slot=5, checkpoint=6)], **BUCKET,
+                       num_pages=24)
+    text = jit_step.lower(cfg, lay, kernels, 4, prepare_params(cfg, params, jnp.bfloat16), pool, batch).as_text()
+    maps = _pool_index_maps(text, pool.size)
+    assert len(maps) >= 6  # the state, conv and latent reads and writes, the page copy
+    assert all(m == list(range(len(m))) for m in maps), maps
 
 
 def test_scanned_step_writes_the_pool_as_the_unrolled_one():

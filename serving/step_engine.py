@@ -21,9 +21,6 @@ from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
                               pack_batch, prepare_params, stack_layers, unflatten_batch)
-from pallas_kernels.kda.decode_pages import kda_decode_pages
-from pallas_kernels.kda.gpu_common import gpu_head_dims_ok
-from pallas_kernels.mla import paged_mla_decode
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -169,13 +166,13 @@ class Runner:
 
 def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKernels:
     """The step's device ops when none are given: on a GPU the Pallas prefill (as
-    :func:`serving.engine.default_kernels`) and, when the KDA head size suits the GPU kernels, the
-    Pallas decode kernels on pages (paged MLA attention, the KDA state step); the XLA paths
-    elsewhere."""
-    kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
-    if (backend or jax.default_backend()) == "gpu" and gpu_head_dims_ok(cfg.linear_head_dim):
-        kernels = StepKernels(chunk_kda=kernels.chunk_kda, mla_decode=paged_mla_decode, kda_decode=kda_decode_pages)
-    return kernels
+    :func:`serving.engine.default_kernels`); the XLA paths elsewhere and for decode.
+
+    The Pallas decode kernels on pages (``paged_mla_decode``, ``kda_decode_pages``) are opt-in
+    (``StepKernels(mla_decode=..., kda_decode=...)``): on the H100 on 2026-12-06 the step engine's
+    warm-up with both hit a CUDA illegal address in its first decode bucket (all padding rows),
+    a failure their compiled kernel tests (small pools) do not show; not yet found."""
+    return StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
 
 
 class StepEngine(EngineBase):
@@ -383,10 +380,16 @@ class StepEngine(EngineBase):
                 "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 
 
+# The Pallas Triton decode kernels index the pool with 32-bit offsets: a pool of more words fails
+# (CUDA illegal address on the H100, 2026-12-06, with a 24 GiB pool).
+MAX_POOL_WORDS = 2**31 - 1
+
+
 def _default_pages(lay: PoolLayout, max_running: int, per_request: int) -> int:
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
-        # 30%: a prefill bucket's compiled step holds up to two copies of the pool as temporaries
+        # 30%: a prefill bucket's compiled step held up to two copies of the pool as temporaries
         # on the GPU (H100, 2026-12-06: pool 3.7 GiB, temporaries 7.3 GiB), plus its activations
-        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0), fraction=0.3)
+        pages = lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0), fraction=0.3)
+        return min(pages, MAX_POOL_WORDS // lay.page_words)
     return max_running * per_request

@@ -128,7 +128,8 @@ def _write_ids(pages, num_pages):
 def copy_pages(pool, src, dst):
     """Copy whole pages ``src i32[n]`` -> ``dst i32[n]`` (pairs with a negative id do nothing)."""
     ok = (src >= 0) & (dst >= 0)
-    return pool.at[_write_ids(jnp.where(ok, dst, -1), pool.shape[0])].set(pool[jnp.maximum(src, 0)], mode="drop")
+    pages = jax.lax.optimization_barrier(pool[jnp.maximum(src, 0)])  # see _read_heads
+    return pool.at[_write_ids(jnp.where(ok, dst, -1), pool.shape[0])].set(pages, mode="drop")
 
 
 def _kda_words(lay: PoolLayout, layer):
@@ -170,8 +171,12 @@ def _scatter_heads(lay: PoolLayout, pool, pages, start, words):
 
 def _read_heads(lay: PoolLayout, pool, pages, start, size: int):
     """Words ``[start, start + size)`` of every head of ``pages i32[B]`` as ``f32[B, HV, size]``;
-    zeros for a negative page id (a fresh request)."""
+    zeros for a negative page id (a fresh request). The gathered words are materialised (an
+    optimization barrier): XLA on the GPU otherwise fuses the gather into the fusion that later
+    scatters into the pool (e.g. an empty row's final state is its initial one), and a fusion
+    that reads and writes the pool in place needs a copy of the whole pool first."""
     words = _gather_heads(lay, pool, jnp.clip(pages, 0, pool.shape[0] - 1), start, size)
+    words = jax.lax.optimization_barrier(words)
     return jnp.where((pages < 0)[:, None, None], 0.0, jax.lax.bitcast_convert_type(words, f32))
 
 

@@ -185,8 +185,8 @@ class StepEngine(EngineBase):
         chunks per step; max_chunk: tokens per chunk.
       prefix_cache: share prompt prefixes across requests (SERVING.md); hash_tokens: its hash
         block (the reuse unit; pages are a multiple of it).
-      num_pages: pool pages (None: 30% of the device's free memory on an accelerator, else enough
-        for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
+      num_pages: pool pages (None: 30% of the device's free memory on an accelerator, at most
+        ``MAX_POOL_WORDS`` words, else enough for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
         a KDA state page allows, a multiple of the hash block).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
       async_dispatch: dispatch step N + 1 before reading step N's tokens (decode rows take their

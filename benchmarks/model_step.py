@@ -20,7 +20,8 @@ import numpy as np
 from benchmarks.common import kernel_seconds, write_json
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params, stack_layers
+from k3jax.model.step import (PREFILL_TILE, Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params,
+                              stack_layers)
 
 BF16_PEAK = 790e12
 
@@ -165,8 +166,8 @@ def bench_prefill(cfg, params, kernels, T: int) -> dict:
         return out.tokens
 
     s = timed_steps(run, 3)
-    S = blocks * lay.page_tokens
-    # absorbed attention as computed (every query over the bucket's S latents): scores + values
+    S = -(-T // PREFILL_TILE) * PREFILL_TILE
+    # absorbed attention as computed (every query over the row's context in whole tiles): scores + values
     attn = len(cfg.mla_layers) * T * S * cfg.num_heads * 2 * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     flops = active_flops_per_token(cfg, params) * T + attn + 2 * head.size  # logits of the last token only

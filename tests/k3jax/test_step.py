@@ -107,7 +107,8 @@ def _reference(cfg, params, seqs):
 
 
 @pytest.mark.parametrize("config,scan,kernels", [
-    ("configs/tiny.json", False, StepKernels()), ("configs/tiny_k3.json", False, StepKernels()),
+    ("configs/tiny.json", False, StepKernels()),
+    pytest.param("configs/tiny_k3.json", False, StepKernels(), marks=pytest.mark.slow),  # scanned K3 below
     ("seven_layers", True, StepKernels()), ("configs/tiny_k3.json", True, PAGED),
     pytest.param("configs/tiny.json", False, PAGED_TPU, marks=pytest.mark.slow)])
 def test_step_matches_forward_float32(config, scan, kernels):

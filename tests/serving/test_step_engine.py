@@ -54,7 +54,10 @@ def _engine(model=None, **kw):
 
 @pytest.fixture(scope="module")
 def engine():
-    e = _engine()
+    """Built from step-format weights (``params=``, as a model too large to hold twice is given):
+    the tests on it check that path against the reference forward."""
+    cfg, ref = _model()
+    e = _engine(model=cfg, params=prepare_params(cfg, ref, jnp.float32))
     e.warmup()
     return e
 
@@ -73,16 +76,10 @@ def test_greedy_equals_forward_and_nothing_compiles_after_warmup(engine, greedy_
     assert engine.sched.pool.num_used == 0 and not engine.has_work()
 
 
-def test_prepared_params_serve_as_the_loaded_model(greedy_reference):
-    """``params=`` (step-format weights, as a model too large to hold twice is given) serves the
-    same tokens; a model that is not a config beside them is refused."""
+def test_params_go_with_a_config():
     cfg, ref = _model()
-    prepared = prepare_params(cfg, ref, jnp.float32)
-    e = _engine(model=cfg, params=prepared)
-    assert e.cfg is cfg
-    assert [r.token_ids for r in e.generate(PROMPTS[:2], max_tokens=MAX_TOKENS)] == greedy_reference[:2]
     with pytest.raises(ValueError, match="goes with a ModelConfig"):
-        StepEngine("tiny", params=prepared)
+        StepEngine("tiny", params=prepare_params(cfg, ref, jnp.float32))
 
 
 @pytest.mark.parametrize("budget,async_dispatch", [(16, True), (256, False), (8192, True)])
@@ -197,14 +194,14 @@ def test_prefix_hit_inside_a_page_resumes_at_the_hash_boundary():
     assert e.sched.pool.num_used == e.sched.pool.num_evictable  # only cache entries remain
 
 
-def test_prefix_cache_on_off_and_in_one_step_give_the_same_tokens():
+def test_prefix_cache_on_off_and_in_one_step_give_the_same_tokens(engine):
     """Requests sharing prefixes, all in one step (nothing is matchable before the step that
     writes it has finished: rule 2), then again one by one (hits), under a small token budget:
     every output equals the run without the cache."""
     rng = np.random.default_rng(6)
     base = rng.integers(0, 256, 70).tolist()
     prompts = [base + rng.integers(0, 256, int(n)).tolist() for n in (1, 20, 45)] + [base[:40]]
-    want = _run(_engine(max_len=256), prompts)
+    want = _run(engine, prompts)  # no prefix cache
     e = _cached_engine(token_budget=256, max_chunk=128, prefill_buckets=(256,), max_prefill_rows=4)
     together = _run(e, prompts)
     assert [t for t, _ in together] == [t for t, _ in want]
@@ -304,7 +301,7 @@ class _OracleDrafter:
         return []
 
 
-@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("cache", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time: with the cache
 def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache):
     """Drafts verified in decode windows (4 drafts: a 5-token window through the grouped MoE), by
     the n-gram drafter and by one that knows the answer: greedy outputs equal those without

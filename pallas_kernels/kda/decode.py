@@ -31,6 +31,12 @@ def default_interpret(interpret):
     return interpret
 
 
+def pages_on_tpu(backend) -> bool:
+    """Whether the kernels on the page pool (``kda_decode_pages``, ``paged_mla_decode``) take their
+    TPU version: ``backend`` "tpu", or None on a TPU (elsewhere the GPU kernel, interpreted on CPU)."""
+    return (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu")) == "tpu"
+
+
 def _backend_module(backend):
     backend = backend or jax.default_backend()
     if backend in ("gpu", "cuda", "rocm"):

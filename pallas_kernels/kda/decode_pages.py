@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda._window import DECODE, delta_rule, readout
-from pallas_kernels.kda.decode import default_interpret
+from pallas_kernels.kda.decode import default_interpret, pages_on_tpu
 from pallas_kernels.kda.decode_gpu import default_block_v
 from pallas_kernels.kda.decode_pages_tpu import kda_decode_pages_tpu
 from pallas_kernels.kda.gpu_common import triton_params
@@ -83,7 +83,7 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
     scale = float(K**-0.5 if scale is None else scale)
     ids = [x.astype(jnp.int32) for x in (src, dst, checkpoint)] + [jnp.reshape(state_row, (1,)).astype(jnp.int32)]
-    if (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu")) == "tpu":
+    if pages_on_tpu(backend):
         return kda_decode_pages_tpu(states, ids[3], *ids[:3], q, k, v, g, beta, scale=scale,
                                     interpret=default_interpret(interpret))
     if interpret is None:

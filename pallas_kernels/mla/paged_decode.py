@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.decode import default_interpret, pages_on_tpu
 from pallas_kernels.mla._words import check_latents, unpack
 from pallas_kernels.mla.paged_decode_tpu import paged_mla_decode_tpu
 
@@ -82,10 +83,9 @@ def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, pa
     Returns:
       ``f32[Q, H, L]``.
     """
-    if (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu")) == "tpu":
+    if pages_on_tpu(backend):
         return paged_mla_decode_tpu(q_lat, q_rope, latents, block_tables, lengths, layer, page_tokens=page_tokens,
-                                    scale=scale, interpret=bool(jax.default_backend() == "cpu") if interpret is None
-                                    else interpret)
+                                    scale=scale, interpret=default_interpret(interpret))
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     Q, H, L = q_lat.shape

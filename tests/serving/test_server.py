@@ -26,7 +26,9 @@ ENGINE_KW = dict(max_slots=4, max_len=256, prefill_chunk=32, prefix_cache=True, 
 @pytest.fixture(scope="module")
 def server():
     engine = Engine(**ENGINE_KW)
-    srv, app = serve(engine, ByteTokenizer(), port=0, body_timeout_s=1.0, max_body_bytes=1 << 16)
+    # The default body timeout (30 s): 64 concurrent clients on a loaded CI machine can take over a second to
+    # deliver a body; test_http_level_errors shortens it for its own stalled-body case.
+    srv, app = serve(engine, ByteTokenizer(), port=0, max_body_bytes=1 << 16)
     srv.start()
     yield srv.port, engine, app
     app.loop.stop = True
@@ -344,8 +346,8 @@ def test_bad_input_gets_4xx_and_the_connection_serves_on(server, path, name, bod
     assert post(port, {"prompt": "ok", "max_tokens": 2})[0] == 200
 
 
-def test_http_level_errors(server):
-    port, engine, _ = server
+def test_http_level_errors(server, monkeypatch):
+    port, engine, app = server
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     # Unknown route with a body, wrong method: JSON errors, the connection stays usable.
     status, resp = post(port, {"prompt": "x" * 1000}, path="/v1/nope", conn=conn)
@@ -355,6 +357,7 @@ def test_http_level_errors(server):
     assert r.status == 405 and json.loads(r.read())["error"]["message"]
     assert post(port, {"prompt": "ok", "max_tokens": 2}, conn=conn)[0] == 200
     # A Content-Length larger than the body: 408 after the body timeout, not a stuck handler.
+    monkeypatch.setattr(app, "body_timeout_s", 1.0)
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": \"hi\"}")
     assert s.recv(4096).startswith(b"HTTP/1.1 408")

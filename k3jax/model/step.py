@@ -99,6 +99,21 @@ class StepKernels:
     kda_decode: Callable | None = None
 
 
+class Parallel(NamedTuple):
+    """How :func:`model_step` runs on one device's part of a mesh (inside ``shard_map``; see
+    :mod:`k3jax.parallel.sharded_step`): the mesh axis its heads, dense widths and vocabulary
+    split over (``tensor``; its attention and dense outputs are summed over it, its logits
+    gathered), and the axes its routed experts split over (``experts``, row-major; the routed
+    output is summed over them). Its ``cfg`` then counts the device's own heads."""
+
+    tensor: str | None = None
+    experts: tuple[str, ...] = ()
+
+
+def _psum(x, axes):
+    return jax.lax.psum(x, axes) if axes else x
+
+
 class StepBatch(NamedTuple):
     """One step's packed inputs (host-built, bucketed shapes; see :func:`pack_batch`).
 
@@ -432,18 +447,25 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     return linear(o, p["o"]), pool
 
 
-def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
+def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()):
     """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).
     Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
-    their grouped matmul."""
+    their grouped matmul. Under ``par.experts`` the device holds experts ``[first, first + E)``
+    of the router's: it multiplies only the tokens routed to them (the rest sort last, outside
+    every group, and weigh 0), and the routed sums are added over those axes."""
     I = cfg.moe_intermediate_size
     w, idx = route(cfg, p, x.astype(f32))
     z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
+    E = jax.tree.leaves(p["gate_up"])[0].shape[0]  # the experts on this device
+    if par.experts:
+        idx = idx - jax.lax.axis_index(par.experts) * E
+        mine = (idx >= 0) & (idx < E)
+        w, idx = jnp.where(mine, w, 0.0), jnp.where(mine, idx, E)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat)
     tok = order // cfg.num_experts_per_tok
-    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(i32)
+    sizes = jnp.bincount(flat, length=E + 1)[:E].astype(i32)
     def grouped(a, w):
         if isinstance(w, MXFP4):
             w = dequantize(w, x.dtype)
@@ -452,8 +474,10 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x):
 
     h = grouped(z[tok], p["gate_up"])
     y = grouped(glu(cfg, h[:, :I], h[:, I:]), p["down"])
-    y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
-    return latent_moe_out(cfg, p, y, linear) + dense_mlp(cfg, p["shared"], x)
+    if par.experts:  # rows past the groups: not this device's (a grouped matmul may leave them unset)
+        y = jnp.where((flat[order] < E)[:, None], y, 0.0)
+    y = _psum(jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None]), par.experts)
+    return latent_moe_out(cfg, p, y, linear) + _psum(dense_mlp(cfg, p["shared"], x), par.tensor)
 
 
 def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
@@ -591,10 +615,12 @@ class StepTrunk(NamedTuple):
 
 
 def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
-               batch: StepBatch, *, window: int = 1, num_logprobs: int = 0, return_logits: bool = False):
+               batch: StepBatch, *, window: int = 1, num_logprobs: int = 0, return_logits: bool = False,
+               par: Parallel = Parallel()):
     """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``. With
     params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``. ``window``:
-    tokens per decode row (1 + its most drafts; see :class:`StepBatch` and :class:`StepOutput`)."""
+    tokens per decode row (1 + its most drafts; see :class:`StepBatch` and :class:`StepOutput`).
+    ``par``: one device's part of a sharded step (see :class:`Parallel`)."""
     rows = _rows(batch, num_decode, window)
     pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
     dt = params["embed"].dtype
@@ -613,9 +639,12 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
             h, pool, win = kda_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[0], batch, rows)
         else:
             h, pool = mla_layer(cfg, lay, kernels, lp["attn"], h, pool, index[i] + n * per[1], batch, rows)
-        h, trunk = trunk.mlp_input(cfg, lp, h)
+        h, trunk = trunk.mlp_input(cfg, lp, _psum(h, par.tensor))
         h = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps).astype(dt)
-        mlp = moe(cfg, kernels, lp["mlp"], h) if cfg.mlp_types[i] == "moe" else dense_mlp(cfg, lp["mlp"], h)
+        if cfg.mlp_types[i] == "moe":
+            mlp = moe(cfg, kernels, lp["mlp"], h, par)
+        else:
+            mlp = _psum(dense_mlp(cfg, lp["mlp"], h), par.tensor)
         return trunk._replace(x=trunk.x + mlp), pool, win
 
     runs = {s: (P, c, group) for (s, P, c), group in zip(layer_runs(cfg), params.get("runs", ()))}
@@ -647,7 +676,11 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
     last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
     out = trunk.output(cfg, params)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    logits_of = lambda t: linear(rms_norm(out[t], params["norm"], cfg.rms_norm_eps), head)
+    def logits_of(t):
+        logits = linear(rms_norm(out[t], params["norm"], cfg.rms_norm_eps), head)
+        vocab_split = par.tensor and not cfg.tie_word_embeddings  # a tied head is the (whole) embedding
+        return jax.lax.all_gather(logits, par.tensor, axis=-1, tiled=True) if vocab_split else logits
+
     accepted = greedy = None
     if window > 1 and num_decode:  # every window token's logits; a decode row samples after its first
         # (the same logits its drafts are checked against: a greedy row's token is greedy[:, 0])

@@ -1,0 +1,166 @@
+"""The serving step over a device mesh: tensor and expert parallelism by ``shard_map``.
+
+A mesh with a ``tensor`` axis (and optionally an ``expert`` axis) splits the step's weights:
+
+- over ``tensor``: the KDA heads (their fused q/k/v rows, conv channels, gates, output
+  columns), the MLA heads (``q``/``q_b`` rows, ``w_uk``, ``w_uv``, output columns, the gate),
+  the dense and shared-expert widths, and the LM head's vocabulary (unless it is the tied
+  embedding). Each device's attention and dense outputs are partial sums, added by one
+  all-reduce per sublayer; the logits of the sampled rows are all-gathered.
+- over ``tensor`` and ``expert`` together: the routed experts. Every device routes every token
+  (the router is replicated), multiplies only the tokens routed to its own experts (one grouped
+  matmul, no expert weight moves), and the routed sums are all-reduced.
+
+Each device runs :func:`k3jax.model.step.model_step` on its part with a config that counts its
+own heads (:func:`local_config`) and its own page pool (:func:`local_layout`): the same pages
+and page ids on every device (one allocator, one scheduler), each page holding the device's KDA
+heads and a copy of every MLA latent (MLA's latent is shared by all heads, so it is replicated
+over ``tensor``, as in the peers). Over ``expert`` the attention is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from k3jax.model.config import ModelConfig
+from k3jax.model.pool import PoolLayout
+from k3jax.model.step import Parallel
+
+TENSOR, EXPERT = "tensor", "expert"
+
+# Per-head or per-channel weights split along their first (output) axis, and output
+# projections split along their second (input) axis; keyed by the param's name.
+_ROWS = {"qkv", "conv", "f_b", "dt_bias", "A_log", "b", "g", "g_b", "q", "q_b", "w_uk", "w_uv", "gate", "up"}
+_COLS = {"o", "down"}
+_INTERLEAVED = {"qkv", "conv"}  # [q | k | v] rows: regrouped so each device's slice is its own [q | k | v]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """A mesh with axes ``tensor`` and optionally ``expert`` (any other axis is refused)."""
+
+    mesh: Mesh
+
+    def __post_init__(self):
+        names = set(self.mesh.axis_names)
+        if TENSOR not in names or names - {TENSOR, EXPERT}:
+            raise ValueError(f"the step's mesh needs a '{TENSOR}' axis and at most an '{EXPERT}' axis beside it, "
+                             f"got axes {self.mesh.axis_names}")
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[TENSOR]
+
+    @cached_property
+    def expert_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if a in (TENSOR, EXPERT))
+
+    @property
+    def ep(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.expert_axes)
+
+    @property
+    def parallel(self) -> Parallel:
+        return Parallel(tensor=TENSOR, experts=self.expert_axes)
+
+    def check(self, cfg: ModelConfig):
+        """A clear error when the model does not split evenly over this mesh."""
+        need = [("num_heads", cfg.num_heads, self.tp), ("linear_num_heads", cfg.linear_num_heads, self.tp),
+                ("intermediate_size", cfg.intermediate_size, self.tp)]
+        if "moe" in cfg.mlp_types:
+            need += [("num_experts", cfg.num_experts, self.ep),
+                     ("shared expert width", cfg.moe_intermediate_size * cfg.n_shared_experts, self.tp)]
+        if not cfg.tie_word_embeddings:
+            need.append(("vocab_size", cfg.vocab_size, self.tp))
+        for name, n, d in need:
+            if n % d:
+                raise ValueError(f"{name} = {n} does not split over {d} devices of mesh {dict(self.mesh.shape)}")
+
+
+def local_config(cfg: ModelConfig, plan: MeshPlan) -> ModelConfig:
+    """The config one device's part of the step sees: its own KDA and MLA heads."""
+    plan.check(cfg)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // plan.tp,
+                               linear_num_heads=cfg.linear_num_heads // plan.tp)
+
+
+def local_layout(cfg: ModelConfig, lay: PoolLayout, plan: MeshPlan) -> PoolLayout:
+    """Each device's page layout: the global ``page_tokens`` (the scheduler's pages), its own KDA
+    heads, every MLA latent."""
+    return PoolLayout.for_model(local_config(cfg, plan), page_tokens=lay.page_tokens, latent_dtype=lay.latent_dtype)
+
+
+def _spec(path, leaf, plan: MeshPlan, cfg: ModelConfig) -> P:
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    names = [k for k in keys if isinstance(k, str) and k not in ("packed", "scale")]
+    lead = 1 if keys[0] == "runs" else 0  # a scanned run's params carry a leading layer axis
+    dims = [None] * leaf.ndim
+    name = names[-1]
+    if keys[0] == "lm_head" and not cfg.tie_word_embeddings:
+        dims[0] = TENSOR
+    elif keys[0] in ("layers", "runs"):
+        if name in ("gate_up", "down") and leaf.ndim == lead + 3:
+            dims[lead] = plan.expert_axes  # routed experts [E, in, out]
+        elif name in _ROWS:
+            dims[lead] = TENSOR
+        elif name in _COLS:
+            dims[lead + 1] = TENSOR
+    return P(*dims)
+
+
+def param_specs(cfg: ModelConfig, params, plan: MeshPlan):
+    """The ``PartitionSpec`` of every serving param (with or without :func:`stack_layers`)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: _spec(path, x, plan, cfg), params)
+
+
+def _regroup_qkv(x, lead: int, tp: int):
+    """``[q | k | v]`` rows (axis ``lead``) as ``[q_0 | k_0 | v_0 | q_1 | ...]``: device ``d``'s
+    contiguous slice is its heads' q, k and v."""
+    s = x.shape
+    y = x.reshape(*s[:lead], 3, tp, s[lead] // (3 * tp), *s[lead + 1 :])
+    return jnp.swapaxes(y, lead, lead + 1).reshape(s)
+
+
+def shard_params(cfg: ModelConfig, params, plan: MeshPlan):
+    """Serving params placed on the mesh by :func:`param_specs` (the fused q/k/v rows regrouped
+    per device first). Returns ``(params, specs)``."""
+    plan.check(cfg)
+
+    def regroup(path, x):
+        keys = [getattr(k, "key", None) for k in path]
+        if keys[-1] in _INTERLEAVED and keys[0] in ("layers", "runs"):
+            return _regroup_qkv(x, 1 if keys[0] == "runs" else 0, plan.tp)
+        return x
+
+    params = jax.tree_util.tree_map_with_path(regroup, params)
+    specs = param_specs(cfg, params, plan)
+    shardings = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), specs)
+    return jax.device_put(params, shardings), specs
+
+
+def allocate_pool(lay_local: PoolLayout, num_pages: int, plan: MeshPlan) -> jax.Array:
+    """A zeroed pool ``u32[tp, num_pages, page_words]``: device ``d`` of the tensor axis holds
+    ``[d]`` (replicated over ``expert``)."""
+    shape = (plan.tp, num_pages, lay_local.page_words)
+    return jax.jit(lambda: jnp.zeros(shape, jnp.uint32), out_shardings=NamedSharding(plan.mesh, P(TENSOR)))()
+
+
+def shard_step(plan: MeshPlan, specs, body, num_replicated: int, num_more: int = 0):
+    """``body(params, pool, *args) -> (out, pool, *more)``, one device's step, as a function of
+    the mesh-placed params, the ``[tp, N, words]`` pool and ``num_replicated`` replicated
+    arguments; ``out`` and the ``num_more`` others come back replicated (equal on every device:
+    the step's sums and gathers make them so)."""
+
+    def local(params, pool, *args):
+        out, pool, *more = body(params, pool[0], *args)
+        return (out, pool[None], *more)
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P(TENSOR), *([P()] * num_replicated)),
+                         out_specs=(P(), P(TENSOR), *([P()] * num_more)), check_vma=False)

@@ -1,0 +1,59 @@
+"""The serving step over a mesh of fake CPU devices (tensor and expert parallelism by
+``shard_map``) against the reference forward, on the ragged schedule of ``test_step``; its
+compiled decode step's collectives; and clear errors for meshes the model does not split over."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from k3jax.model.step import model_step, pack_batch
+from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, local_config, local_layout, shard_params,
+                                         shard_step)
+from tests.helpers import rel_rms
+from tests.k3jax.test_step import BUCKET, SEVEN_LAYERS, Runner, _reference, _schedule, _seqs_with_shared_prefix, _tiny
+
+# tiny with 8 KDA and 8 MLA heads (so 8 devices can split them) and the 7-layer scanned period
+WIDE = dict(SEVEN_LAYERS, num_attention_heads=8, linear_num_heads=8)
+
+
+def mesh_of(**axes) -> Mesh:
+    n = int(np.prod(list(axes.values())))
+    return Mesh(np.array(jax.devices()[:n]).reshape(tuple(axes.values())), tuple(axes))
+
+
+class ShardedRunner(Runner):
+    """``test_step.Runner`` with its params and pool on a mesh and its step in ``shard_map``."""
+
+    def __init__(self, cfg, params, dtype, mesh, scan=False):
+        super().__init__(cfg, params, dtype, scan=scan)
+        self.plan = plan = MeshPlan(mesh)
+        local_cfg, local_lay = local_config(cfg, plan), local_layout(cfg, self.lay, plan)
+        self.params, specs = shard_params(cfg, self.params, plan)
+        self.pool = allocate_pool(local_lay, self.N, plan)
+
+        def body(params, pool, batch):
+            return model_step(local_cfg, local_lay, self.kernels, BUCKET["num_decode"], params, pool, batch,
+                              return_logits=True, par=plan.parallel)
+
+        self._step = jax.jit(shard_step(plan, specs, body, num_replicated=1), donate_argnums=1)
+
+    def step(self, decode, prefill, window=1):
+        batch = pack_batch(self.lay, decode, prefill, num_pages=self.N, window=window, **BUCKET)
+        out, self.pool = self._step(self.params, self.pool, batch)
+        return out
+
+
+@pytest.mark.parametrize("axes", [dict(tensor=2, expert=2), dict(tensor=4), dict(tensor=8)], ids=str)
+def test_sharded_step_matches_forward(axes):
+    """Prefill chunks, decode rows, idle rows and a shared page over three steps: the logits of
+    every row equal the single-device reference's (float32; the sums run in another order)."""
+    cfg, params = _tiny(**WIDE)
+    seqs = _seqs_with_shared_prefix(cfg)
+    ref = _reference(cfg, params, seqs)
+    runner = ShardedRunner(cfg, params, jnp.float32, mesh_of(**axes), scan=True)
+    assert runner.params["runs"]
+    for seq, pos, lg in _schedule(runner, seqs):
+        assert rel_rms(lg, ref[seq][pos]) < 1e-5, (seq, pos)
+        assert np.argmax(lg) == np.argmax(ref[seq][pos])

@@ -62,6 +62,28 @@ def test_decode_pages_matches_reference(run, B, H, HV, K, V, rows, state_row, dt
     assert_close(after[written], want[written], "f32_state")
 
 
+@pytest.mark.gpu
+def test_decode_pages_compiled_at_the_end_of_a_pool_of_2_31_words():
+    """Compiled on the GPU: rows reading and writing the last pages of a pool at the step engine's
+    word cap, beside padding rows (-1 everywhere), give the same outputs and page contents as on a
+    small pool holding the same pages."""
+    from serving.step_engine import MAX_POOL_WORDS
+
+    B, H, HV, K, V, rows, small_n = 6, 2, 4, 16, 64, 40, 4
+    N = MAX_POOL_WORDS // (HV * rows * V)
+    q, k, v, g, beta = (x[:, 0] for x in kda_inputs(B, B, 1, H, HV, K, V))
+    small = jax.lax.bitcast_convert_type(random_state(3, (small_n, HV, rows, V)), jnp.uint32)
+    src, dst, ckpt = (np.array(x + [-1] * (B - 3), np.int32) for x in ([0, 2, -1], [0, 1, 3], [-1, 3, -1]))
+    step = jax.jit(functools.partial(kda_decode_pages, interpret=False), donate_argnums=(0,))
+    big = jnp.zeros((N, HV, rows, V), jnp.uint32).at[N - small_n:].set(small)
+    o_want, want = step(small, jnp.int32(16), *map(jnp.asarray, (src, dst, ckpt)), q, k, v, g, beta)
+    move = lambda x: jnp.asarray(np.where(x >= 0, x + N - small_n, -1))
+    o, big = step(big, jnp.int32(16), move(src), move(dst), move(ckpt), q, k, v, g, beta)
+    np.testing.assert_array_equal(np.asarray(o[:3]), np.asarray(o_want[:3]))
+    np.testing.assert_array_equal(np.asarray(big[N - small_n:]), np.asarray(want))
+    assert not np.any(np.asarray(big[: N - small_n].max()))
+
+
 def test_decode_pages_rejects_bad_shapes():
     q, k, v, g, beta = (x[:, 0] for x in kda_inputs(0, 2, 1, 1, 2, 16, 16))
     ids = jnp.zeros(2, jnp.int32)

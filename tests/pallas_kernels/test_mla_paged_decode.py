@@ -50,13 +50,18 @@ def _case(dtype, seed, H=2, L=32, R=16, page_tokens=64, blocks=3, N=12, Q=6):
     return lay, pool, jnp.asarray(bt), jnp.asarray(lengths), q_lat, q_rope
 
 
+COMPILED = pytest.mark.gpu
+
+
 @pytest.mark.parametrize("dtype,splits,backend", [
     (jnp.float32, 1, "gpu"), (jnp.float32, 3, "gpu"), (jnp.bfloat16, 2, "gpu"),
-    (jnp.float32, 1, "tpu"), (jnp.bfloat16, 1, "tpu")])
+    (jnp.float32, 1, "tpu"), (jnp.bfloat16, 1, "tpu"),
+    pytest.param(jnp.float32, 3, "compiled", marks=COMPILED), pytest.param(jnp.bfloat16, 2, "compiled", marks=COMPILED)])
 def test_paged_attention_matches_the_gathered_one(dtype, splits, backend):
     lay, pool, bt, lengths, q_lat, q_rope = _case(dtype, seed=splits)
     scale = 0.17
-    interpret = pltpu.InterpretParams(detect_races=True) if backend == "tpu" else True
+    interpret = {"tpu": pltpu.InterpretParams(detect_races=True), "gpu": True, "compiled": False}[backend]
+    backend = None if backend == "compiled" else backend
     for layer in (0, 1):
         want = _reference(lay, pool, layer, bt, lengths, q_lat, q_rope, scale)
         run = jax.jit(partial(paged_mla_decode, page_tokens=lay.page_tokens, scale=scale, tile=16, splits=splits,
@@ -65,6 +70,29 @@ def test_paged_attention_matches_the_gathered_one(dtype, splits, backend):
         tol = 1e-5 if dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
         assert not np.any(np.asarray(got[0]))  # length 0: nothing attended, zeros
+
+
+@COMPILED
+def test_paged_attention_compiled_at_the_end_of_a_pool_of_2_31_words():
+    """Compiled on the GPU: pages at the far end of a pool at the step engine's word cap (32-bit
+    offsets there must not wrap), block tables padded with -1 and rows of length 0 (a bucket's
+    padding rows) beside live ones, the same output as on a small pool holding the same pages."""
+    from serving.step_engine import MAX_POOL_WORDS
+
+    dtype = jnp.bfloat16
+    lay, small, bt, lengths, q_lat, q_rope = _case(dtype, seed=7)
+    N = MAX_POOL_WORDS // lay.page_words
+    big = jnp.zeros((N, lay.page_words), jnp.uint32).at[N - small.shape[0]:].set(small)
+    moved = jnp.where(bt >= 0, bt + N - small.shape[0], -1)
+    pad = jnp.full((4, bt.shape[1]), -1, jnp.int32)  # padding rows: no pages, length 0
+    run = jax.jit(partial(paged_mla_decode, page_tokens=lay.page_tokens, scale=0.17, interpret=False))
+    q = lambda x: jnp.concatenate([x, jnp.zeros((4, *x.shape[1:]), x.dtype)])
+    for layer in (0, 1):
+        want = run(q_lat, q_rope, latent_words(lay, small), bt, lengths, jnp.int32(layer))
+        got = run(q(q_lat), q(q_rope), latent_words(lay, big), jnp.concatenate([moved, pad]),
+                  jnp.concatenate([lengths, jnp.zeros(4, jnp.int32)]), jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(got[:-4]), np.asarray(want))
+        assert not np.any(np.asarray(got[-4:]))
 
 
 def test_paged_attention_lowers_for_the_h200():

@@ -16,11 +16,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import (StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
+from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
                               pack_batch, prepare_params, stack_layers, unflatten_batch)
+from k3jax.parallel.sharded_step import MeshPlan, allocate_pool, local_config, local_layout, shard_params, shard_step
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -60,13 +62,13 @@ def use_compile_cache(path: str):
         jax.config.update("jax_compilation_cache_dir", path)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("shapes", "window", "num_logprobs"),
-         donate_argnums=(5, 6))
-def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs):
+def fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs,
+             par=Parallel()):
     """:func:`k3jax.model.step.model_step` on a flattened batch (:func:`k3jax.model.step.flatten_batch`)
     whose decode rows may take their token from the device: token -1 reads ``last[state_slot]``,
     the last token sampled for that slot; every live row's last emitted token is stored there.
-    So step N + 1 can be dispatched before step N's tokens are read."""
+    So step N + 1 can be dispatched before step N's tokens are read. ``par``: one device's part
+    of a sharded step."""
     batch = unflatten_batch(ints, floats, shapes)
     first = jnp.arange(num_decode, dtype=jnp.int32) * window  # a decode row's first token
     if num_decode:
@@ -74,13 +76,32 @@ def _fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *
         fed = jnp.where(dec < 0, last[jnp.maximum(batch.state_slot[:num_decode], 0)], dec)
         batch = batch._replace(tokens=batch.tokens.at[first].set(fed))
     out, pool = model_step(cfg, lay, kernels, num_decode, params, pool, batch, window=window,
-                           num_logprobs=num_logprobs)
+                           num_logprobs=num_logprobs, par=par)
     final = out.tokens
     if out.accepted is not None:  # a window's last emitted token
         last_drafted = out.window[jnp.arange(num_decode), out.accepted]
         final = final.at[:num_decode].set(jnp.where(out.accepted > 0, last_drafted, out.tokens[:num_decode]))
     slots = jnp.where(batch.state_slot >= 0, batch.state_slot, last.shape[0])
     return out, pool, last.at[slots].set(final, mode="drop")
+
+
+_STATIC = dict(static_argnames=("shapes", "window", "num_logprobs"))
+_fed_step = jax.jit(fed_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6), **_STATIC)
+
+
+def sharded_fed_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, plan: MeshPlan, specs):
+    """:func:`fed_step` over ``plan``'s mesh (:mod:`k3jax.parallel.sharded_step`), jitted, with
+    ``_fed_step``'s signature less its first three arguments: ``cfg`` and ``lay`` are the global
+    ones (each device sees its part), params placed by ``specs``, the pool ``[tp, N, words]``."""
+    cfg_l, lay_l = local_config(cfg, plan), local_layout(cfg, lay, plan)
+
+    @partial(jax.jit, static_argnums=0, donate_argnums=(2, 3), **_STATIC)
+    def step(num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs):
+        body = partial(fed_step, cfg_l, lay_l, kernels, num_decode, shapes=shapes, window=window,
+                       num_logprobs=num_logprobs, par=plan.parallel)
+        return shard_step(plan, specs, body, num_replicated=3, num_more=1)(params, pool, last, ints, floats)
+
+    return step
 
 
 class Runner:
@@ -91,19 +112,32 @@ class Runner:
 
     def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
                  decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int,
-                 num_logprobs: int = MAX_LOGPROBS, speculative: int = 0):
-        self.cfg, self.params, self.lay, self.kernels = cfg, params, lay, kernels
+                 num_logprobs: int = MAX_LOGPROBS, speculative: int = 0, plan: MeshPlan | None = None):
+        self.cfg, self.params, self.lay, self.kernels, self.plan = cfg, params, lay, kernels, plan
         self.num_logprobs = num_logprobs
         self.num_pages, self.max_blocks, self.max_prefill_rows = num_pages, max_blocks, max_prefill_rows
         self.decode_buckets, self.prefill_buckets = tuple(sorted(decode_buckets)), tuple(sorted(prefill_buckets))
         if not self.decode_buckets or not self.prefill_buckets:
             raise ValueError("decode_buckets and prefill_buckets must not be empty")
-        self.pool = lay.allocate(num_pages)
+        if plan is None:
+            self._step = partial(_fed_step, cfg, lay, kernels)
+        else:
+            self.params, specs = shard_params(cfg, params, plan)
+            self._step = sharded_fed_step(cfg, lay, kernels, plan, specs)
+        self._replicated = None if plan is None else NamedSharding(plan.mesh, PartitionSpec())
+        self.pool = self.allocate_pool()
         self.last = jnp.zeros(num_pages, jnp.int32)  # the last token sampled into each state slot
         self.window = speculative + 1  # decode rows per step carry up to this many tokens when any has drafts
         self.compiled: set[tuple[int, int, int]] = set()
         self.compiles_while_serving = 0
         import_kernel_libraries(kernels)  # before the first trace (see there)
+
+    def allocate_pool(self) -> jax.Array:
+        """A zeroed pool: ``u32[num_pages, page_words]``, or per device of a mesh (see
+        :func:`k3jax.parallel.sharded_step.allocate_pool`)."""
+        if self.plan is None:
+            return self.lay.allocate(self.num_pages)
+        return allocate_pool(local_layout(self.cfg, self.lay, self.plan), self.num_pages, self.plan)
 
     def bucket(self, num_decode: int, prefill_tokens: int, drafts: bool = False) -> tuple[int, int, int]:
         """``(decode rows, prefill tokens, window)`` of the compiled step that runs a plan."""
@@ -115,10 +149,9 @@ class Runner:
         batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd * w + tp,
                            num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
                            num_pages=self.num_pages, window=w, to_device=False)
-        ints, floats = jax.device_put(flatten_batch(batch))
-        out, self.pool, self.last = _fed_step(self.cfg, self.lay, self.kernels, nd, self.params, self.pool, self.last,
-                                              ints, floats, shapes=batch_shapes(batch), window=w,
-                                              num_logprobs=self.num_logprobs)
+        ints, floats = jax.device_put(flatten_batch(batch), self._replicated)
+        out, self.pool, self.last = self._step(nd, self.params, self.pool, self.last, ints, floats,
+                                               shapes=batch_shapes(batch), window=w, num_logprobs=self.num_logprobs)
         return out
 
     def warmup(self):
@@ -201,6 +234,8 @@ class StepEngine(EngineBase):
         goes on), and a window never reaches a hash boundary (the checkpoint is written there).
         spec_backoff: after ``m`` windows in a row with no draft accepted, a request drafts again
         only after ``min(2^(m-1), spec_backoff)`` plain steps.
+      mesh: a ``jax.sharding.Mesh`` with a ``tensor`` axis (and optionally ``expert``) to run the
+        step over (:mod:`k3jax.parallel.sharded_step`); None: one device.
     """
 
     def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
@@ -209,7 +244,7 @@ class StepEngine(EngineBase):
                  page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
                  kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE,
                  async_dispatch: bool = True, scan_layers: bool = True, speculative: int = 0, drafter=None,
-                 spec_backoff: int = 16, params=None):
+                 spec_backoff: int = 16, params=None, mesh=None):
         if compile_cache:
             use_compile_cache(compile_cache)
         if params is None:
@@ -221,6 +256,9 @@ class StepEngine(EngineBase):
         else:
             raise ValueError("params= (step-format weights) goes with a ModelConfig as model")
         self.max_len = max_len
+        plan = None if mesh is None else MeshPlan(mesh)
+        if plan is not None:
+            plan.check(self.cfg)
         lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype,
                                    token_multiple=hash_tokens if prefix_cache else 16)
         if prefix_cache and lay.page_tokens % hash_tokens:
@@ -240,14 +278,16 @@ class StepEngine(EngineBase):
         # policy's (prompt end, junction, one per 16 hash blocks), its newest, and one superseding it.
         spare = 5 + max_len // (16 * hash_tokens) if prefix_cache else 1
         if num_pages is None:
-            num_pages = _default_pages(lay, max_running, max_blocks + spare)
+            per_device = lay if plan is None else local_layout(self.cfg, lay, plan)
+            num_pages = _default_pages(per_device, max_running, max_blocks + spare)
         if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
         kernels = kernels or default_step_kernels(self.cfg)
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
                              prefill_buckets=prefill_buckets,
-                             max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative)
+                             max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative,
+                             plan=plan)
         if speculative < 0:
             raise ValueError(f"speculative must be >= 0, got {speculative}")
         self._sched_args = dict(token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,
@@ -353,7 +393,7 @@ class StepEngine(EngineBase):
         failed = super().fail_running(exc)
         if self.runner.pool.is_deleted() or self.runner.last.is_deleted():
             log.error("the page pool was lost with the failed step: the prefix cache starts empty")
-            self.runner.pool = self.runner.lay.allocate(self.runner.num_pages)
+            self.runner.pool = self.runner.allocate_pool()
             self.runner.last = jnp.zeros(self.runner.num_pages, jnp.int32)
             waiting, ids = list(self.sched.waiting), self.sched.ids
             self.sched = self._scheduler(ids)  # the waiting requests move over in order

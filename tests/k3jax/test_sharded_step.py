@@ -2,6 +2,8 @@
 ``shard_map``) against the reference forward, on the ragged schedule of ``test_step``; its
 compiled decode step's collectives; and clear errors for meshes the model does not split over."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,8 @@ class ShardedRunner(Runner):
         return out
 
 
-@pytest.mark.parametrize("axes", [dict(tensor=2, expert=2), dict(tensor=4), dict(tensor=8)], ids=str)
+@pytest.mark.parametrize("axes", [dict(tensor=2, expert=2), pytest.param(dict(tensor=4), marks=pytest.mark.slow),
+                                  dict(tensor=8)], ids=str)
 def test_sharded_step_matches_forward(axes):
     """Prefill chunks, decode rows, idle rows and a shared page over three steps: the logits of
     every row equal the single-device reference's (float32; the sums run in another order)."""
@@ -57,3 +60,18 @@ def test_sharded_step_matches_forward(axes):
     for seq, pos, lg in _schedule(runner, seqs):
         assert rel_rms(lg, ref[seq][pos]) < 1e-5, (seq, pos)
         assert np.argmax(lg) == np.argmax(ref[seq][pos])
+
+
+def test_decode_step_sums_partials_and_moves_no_weights():
+    """The compiled decode step on (tensor 2, expert 2): all-reduces of the partial sums, and the
+    only all-gather is of the sampled rows' logits (vocabulary-split LM head): no expert or other
+    weight is gathered, nothing goes all-to-all."""
+    cfg, params = _tiny(**WIDE)
+    runner = ShardedRunner(cfg, params, jnp.float32, mesh_of(tensor=2, expert=2), scan=True)
+    batch = pack_batch(runner.lay, [], [], num_pages=runner.N, **dict(BUCKET, num_tokens=4, num_rows=4))
+    hlo = runner._step.lower(runner.params, runner.pool, batch).compile().as_text()
+    ops = re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all)(?:-start)?\(", hlo)
+    kinds = [k for _, k in ops]
+    assert kinds.count("all-reduce") >= 2 and "all-to-all" not in kinds, kinds
+    gathers = [shape for shape, k in ops if k == "all-gather"]
+    assert gathers and all(re.fullmatch(rf"f32\[\d+,{cfg.vocab_size}\](\{{.*\}})?", s) for s in gathers), gathers

@@ -330,7 +330,8 @@ def test_bad_batches_raise():
         pack([Row([1], 3, [0], slot=1)] * 5, [])
 
 
-@pytest.mark.parametrize("seven,kernels", [(False, StepKernels()), (True, StepKernels()), (True, PAGED)])
+@pytest.mark.parametrize("seven,kernels", [  # the scanned XLA case is slow (CI time): the paged one scans too
+    (False, StepKernels()), pytest.param(True, StepKernels(), marks=pytest.mark.slow), (True, PAGED)])
 def test_speculative_windows_commit_the_accepted_prefix(seven, kernels):
     """Decode rows with draft windows beside a plain decode row, a sampled row and a prefill chunk:
     each row accepts its drafts up to the first that differs from the greedy token, emits those

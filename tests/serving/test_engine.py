@@ -22,6 +22,8 @@ def prompt(seed, n):
     return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]
 
 
+@pytest.mark.slow  # CI time; second turns at smaller sizes: test_restoring_hits_of_any_length_compiles_once,
+# test_pallas_prefill_kernel_swaps_in (and the step engine's prefix-cache tests)
 def test_second_turn_reuses_the_first(cached, plain):
     turn1 = prompt(0, 700)
     r1 = cached.generate([turn1], max_tokens=6)[0]

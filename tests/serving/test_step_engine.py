@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
 from k3jax.model.mxfp4 import MXFP4
@@ -82,7 +83,8 @@ def test_params_go_with_a_config():
         StepEngine("tiny", params=prepare_params(cfg, ref, jnp.float32))
 
 
-@pytest.mark.parametrize("budget,async_dispatch", [(16, True), (256, False), (8192, True)])
+@pytest.mark.parametrize("budget,async_dispatch", [  # 256 (CI time): the module engine's own budget is 64
+    (16, True), pytest.param(256, False, marks=pytest.mark.slow), (8192, True)])
 def test_token_budgets_give_the_same_tokens(budget, async_dispatch, greedy_reference):
     chunk = budget if budget == 8192 else min(budget, 64)  # 8192: every prompt whole in one step
     e = _engine(token_budget=budget, max_chunk=chunk, prefill_buckets=(min(budget, chunk * 2),),
@@ -90,13 +92,13 @@ def test_token_budgets_give_the_same_tokens(budget, async_dispatch, greedy_refer
     assert [r.token_ids for r in e.generate(PROMPTS, max_tokens=MAX_TOKENS)] == greedy_reference
 
 
-@pytest.mark.parametrize("cache", [False, True])
-def test_preemption_recomputes_and_never_corrupts(cache):
+@pytest.mark.parametrize("cache", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time: the cached case
+def test_preemption_recomputes_and_never_corrupts(cache, engine):
     """Four requests fill a tight pool of 16-token pages at admission; crossing their second page
     preempts the later ones, whose tokens are recomputed (with the prefix cache, from what they
     cached before): the outputs equal an unpressed run."""
     prompts = np.random.default_rng(2).integers(0, 256, (4, 30 if cache else 14)).tolist()
-    want = _engine(page_tokens=16).generate(prompts, max_tokens=10)
+    want = engine.generate(prompts, max_tokens=10)  # the module engine: a roomy pool
     kw = dict(prefix_cache=True, hash_tokens=16, num_pages=13) if cache else dict(num_pages=9)
     tight = _engine(page_tokens=16, **kw)
     got = tight.generate(prompts, max_tokens=10)
@@ -108,7 +110,7 @@ def test_preemption_recomputes_and_never_corrupts(cache):
 
 
 @pytest.mark.parametrize("cache,speculative", [(False, 0), (True, 2)])
-def test_the_smallest_pool_serves_requests_that_each_fill_it(cache, speculative):
+def test_the_smallest_pool_serves_requests_that_each_fill_it(cache, speculative, engine):
     """The smallest pool the engine accepts (one request of ``max_len``: its pages, its state and
     with the prefix cache its checkpoints) and three requests that each grow to ``max_len`` (the
     issue's 512/1023/1024 case): the oldest always progresses, all finish with the tokens of an
@@ -124,8 +126,7 @@ def test_the_smallest_pool_serves_requests_that_each_fill_it(cache, speculative)
     reqs = [e.submit(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, max_tokens)]
     while e.has_work():
         e.step()
-    roomy = _engine(page_tokens=16)
-    assert [r.result.token_ids for r in reqs] == [roomy.generate([p], max_tokens=m)[0].token_ids
+    assert [r.result.token_ids for r in reqs] == [engine.generate([p], max_tokens=m)[0].token_ids
                                                   for p, m in zip(prompts, max_tokens)]
     # Without the cache admission takes a slot only, so growing requests preempt the later ones;
     # with it a prompt's pages are taken at admission, so the later ones wait for free pages.
@@ -176,15 +177,14 @@ def _run(e, prompts, max_tokens=MAX_TOKENS):
     return [(r.token_ids, r.num_cached_tokens) for r in e.generate(prompts, max_tokens=max_tokens)]
 
 
-def test_prefix_hit_inside_a_page_resumes_at_the_hash_boundary():
+def test_prefix_hit_inside_a_page_resumes_at_the_hash_boundary(engine):
     """SERVING.md's example scaled down: a request whose first 87 tokens match a cached 90-token
     prompt hits at 80 = 5 x 16 inside a 192-token page (the partial page copied, the checkpoint
     at the prompt end's boundary read into its slot) and gives the tokens of an uncached run."""
     rng = np.random.default_rng(5)
     a = rng.integers(0, 256, 90).tolist()
     b = a[:87] + rng.integers(0, 256, 30).tolist()
-    plain = _engine(max_len=256)
-    want = _run(plain, [a, b])
+    want = _run(engine, [a, b])  # the module engine: no prefix cache
     e = _cached_engine()
     assert _run(e, [a]) == [want[0]]
     got = _run(e, [b])
@@ -369,3 +369,16 @@ def test_drafts_take_only_spare_pages():
         r.out.append(7)
     plan = s.plan()
     assert s.preemptions == 0 and [len(row.tokens) for row in plan.decode] == [2, 2]  # 14 + 1 + 1 = one page
+
+
+def test_engine_on_a_mesh_gives_the_reference_tokens(engine, greedy_reference):
+    """The engine's step over 4 fake devices (tensor 2 x expert 2; the prefix cache on, async
+    dispatch): the reference's greedy tokens, then the same prompts again served from the cache."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("tensor", "expert"))
+    e = _cached_engine(mesh=mesh)
+    e.warmup()
+    assert [t for t, _ in _run(e, PROMPTS)] == greedy_reference
+    again = _run(e, PROMPTS)
+    assert [t for t, _ in again] == greedy_reference and again[0][1] == 80
+    assert e.runner.compiles_while_serving == 0
+    assert len(e.runner.pool.sharding.device_set) == 4 and e.runner.pool.shape[0] == 2

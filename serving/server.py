@@ -54,6 +54,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import EMBEDDED, SEED_MAX, SEED_MIN, Engine, EngineBase, RequestError, SamplingParams
 from serving.http_base import APIError, BackgroundServer, error_body, error_response, install_error_handlers, read_json
 from serving.step_engine import StepEngine
@@ -817,6 +818,10 @@ def parser() -> argparse.ArgumentParser:
                     help="step engine: compiled decode batch sizes, e.g. 1,4 (default: powers of four)")
     ap.add_argument("--prefill-buckets", type=_ints, default=None,
                     help="step engine: compiled prefill token counts, e.g. 64,256 (default: powers of four from 64)")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="step engine: devices the heads, dense widths and vocabulary split over")
+    ap.add_argument("--expert-parallel", type=int, default=1,
+                    help="step engine: a second mesh axis the routed experts split over (with --tensor-parallel's)")
     ap.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
@@ -825,11 +830,15 @@ def parser() -> argparse.ArgumentParser:
 
 def make_engine(a: argparse.Namespace):
     """The engine the parsed flags ask for (not warmed up)."""
+    sharded = a.tensor_parallel * a.expert_parallel > 1
     if a.engine == "step":
         return StepEngine(a.model, max_running=a.max_slots, max_len=a.max_len, token_budget=a.prefill_chunk,
                           max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
                           decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,
-                          speculative=a.speculative, spec_backoff=a.spec_backoff)
+                          speculative=a.speculative, spec_backoff=a.spec_backoff,
+                          mesh=step_mesh(a.tensor_parallel, a.expert_parallel) if sharded else None)
+    if sharded:
+        raise ValueError("--tensor-parallel and --expert-parallel need --engine step")
     return Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
                   prefix_cache=not a.no_prefix_cache, speculative=a.speculative, spec_backoff=a.spec_backoff)
 

@@ -26,6 +26,7 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,6 +83,15 @@ class MeshPlan:
         for name, n, d in need:
             if n % d:
                 raise ValueError(f"{name} = {n} does not split over {d} devices of mesh {dict(self.mesh.shape)}")
+
+
+def step_mesh(tensor: int, expert: int = 1, devices=None) -> Mesh:
+    """A ``tensor`` x ``expert`` mesh of the first devices (of ``devices``, default all local ones)."""
+    devices = jax.devices() if devices is None else devices
+    if tensor < 1 or expert < 1 or tensor * expert > len(devices):
+        raise ValueError(f"a mesh of tensor {tensor} x expert {expert} needs that many of the {len(devices)} devices")
+    shape, names = ((tensor, expert), (TENSOR, EXPERT)) if expert > 1 else ((tensor,), (TENSOR,))
+    return Mesh(np.array(devices[: tensor * expert]).reshape(shape), names)
 
 
 def local_config(cfg: ModelConfig, plan: MeshPlan) -> ModelConfig:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from k3jax.model.step import model_step, pack_batch
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, local_config, local_layout, shard_params,
-                                         shard_step)
+                                         shard_step, step_mesh)
 from tests.helpers import rel_rms
 from tests.k3jax.test_step import BUCKET, SEVEN_LAYERS, Runner, _reference, _schedule, _seqs_with_shared_prefix, _tiny
 
@@ -20,9 +20,8 @@ from tests.k3jax.test_step import BUCKET, SEVEN_LAYERS, Runner, _reference, _sch
 WIDE = dict(SEVEN_LAYERS, num_attention_heads=8, linear_num_heads=8)
 
 
-def mesh_of(**axes) -> Mesh:
-    n = int(np.prod(list(axes.values())))
-    return Mesh(np.array(jax.devices()[:n]).reshape(tuple(axes.values())), tuple(axes))
+def mesh_of(tensor, expert=1) -> Mesh:
+    return step_mesh(tensor, expert)
 
 
 class ShardedRunner(Runner):
@@ -75,3 +74,13 @@ def test_decode_step_sums_partials_and_moves_no_weights():
     assert kinds.count("all-reduce") >= 2 and "all-to-all" not in kinds, kinds
     gathers = [shape for shape, k in ops if k == "all-gather"]
     assert gathers and all(re.fullmatch(rf"f32\[\d+,{cfg.vocab_size}\](\{{.*\}})?", s) for s in gathers), gathers
+
+
+def test_meshes_the_model_does_not_split_over_are_refused():
+    cfg, _ = _tiny()  # 2 heads of each kind
+    with pytest.raises(ValueError, match="num_heads = 2 does not split over 4 devices"):
+        local_config(cfg, MeshPlan(mesh_of(4)))
+    with pytest.raises(ValueError, match="needs a 'tensor' axis"):
+        MeshPlan(Mesh(np.array(jax.devices()[:2]), ("data",)))
+    with pytest.raises(ValueError, match="needs that many"):
+        step_mesh(4, 4)

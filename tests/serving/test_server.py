@@ -618,6 +618,18 @@ def test_kimi_tiktoken_tokenizer(tmp_path):
     assert "".join(deltas) == "é😀中" and all("\ufffd" not in x for x in deltas)
 
 
+def test_parallel_flags_build_a_sharded_step_engine():
+    """--tensor-parallel 2 --expert-parallel 2: the step engine's params and pool on a 2 x 2 mesh of
+    the fake CPU devices; the reference engine refuses the flags."""
+    flags = ["--max-slots", "2", "--max-len", "128", "--prefill-chunk", "32", "--tensor-parallel", "2",
+             "--expert-parallel", "2"]
+    engine = make_engine(parser().parse_args(["--engine", "step", *flags]))
+    assert dict(engine.runner.plan.mesh.shape) == {"tensor": 2, "expert": 2}
+    assert len(engine.runner.pool.sharding.device_set) == 4
+    with pytest.raises(ValueError, match="need --engine step"):
+        make_engine(parser().parse_args(flags))
+
+
 @pytest.fixture(scope="module")
 def step_server():
     """k3jax-serve --engine step --speculative 2 on the tiny model, with one decode and one prefill

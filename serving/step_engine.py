@@ -7,6 +7,7 @@ Speculative decoding runs on the step: a request's drafts ride in its decode row
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -247,14 +248,19 @@ class StepEngine(EngineBase):
                  spec_backoff: int = 16, params=None, mesh=None):
         if compile_cache:
             use_compile_cache(compile_cache)
-        if params is None:
-            self.cfg, ref = load_model(model, seed)
-            params = prepare_params(self.cfg, ref, dtype)
-            del ref  # before the pool is sized from free memory
-        elif isinstance(model, ModelConfig):
-            self.cfg = model
-        else:
-            raise ValueError("params= (step-format weights) goes with a ModelConfig as model")
+        # On a mesh the weights are loaded and prepared in host memory, then placed shard by shard
+        # (no device holds the whole model on the way)
+        with jax.default_device(jax.local_devices(backend="cpu")[0]) if mesh is not None else contextlib.nullcontext():
+            if params is None:
+                self.cfg, ref = load_model(model, seed)
+                params = prepare_params(self.cfg, ref, dtype)
+                del ref  # before the pool is sized from free memory
+            elif isinstance(model, ModelConfig):
+                self.cfg = model
+            else:
+                raise ValueError("params= (step-format weights) goes with a ModelConfig as model")
+            if scan_layers:
+                params = stack_layers(self.cfg, params)
         self.max_len = max_len
         plan = None if mesh is None else MeshPlan(mesh)
         if plan is not None:
@@ -264,8 +270,6 @@ class StepEngine(EngineBase):
         if prefix_cache and lay.page_tokens % hash_tokens:
             raise ValueError(f"page_tokens {lay.page_tokens} must be a multiple of hash_tokens {hash_tokens}")
         max_blocks = -(-max_len // lay.page_tokens)
-        if scan_layers:
-            params = stack_layers(self.cfg, params)
         if token_budget <= max_running:
             raise ValueError(f"token_budget {token_budget} must exceed max_running {max_running} (room for prefill)")
         max_chunk = max_chunk or token_budget

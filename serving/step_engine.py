@@ -24,6 +24,7 @@ from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
                               pack_batch, prepare_params, stack_layers, unflatten_batch)
 from k3jax.parallel.sharded_step import MeshPlan, allocate_pool, local_config, local_layout, shard_params, shard_step
+from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache
@@ -424,9 +425,8 @@ class StepEngine(EngineBase):
                 "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 
 
-# The Pallas Triton decode kernels index the pool with 32-bit offsets: a pool of more words fails
-# (CUDA illegal address on the H100, 2026-12-06, with a 24 GiB pool).
-MAX_POOL_WORDS = 2**31 - 1
+# The Pallas Triton decode kernels index the pool with 32-bit offsets (they refuse a larger one).
+MAX_POOL_WORDS = MAX_TRITON_ELEMENTS
 
 
 def _default_pages(lay: PoolLayout, max_running: int, per_request: int) -> int:

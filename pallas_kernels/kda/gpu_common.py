@@ -27,3 +27,13 @@ def triton_params(num_warps, num_stages):
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+MAX_TRITON_ELEMENTS = 2**31 - 1  # Pallas Triton indexes a ref with 32-bit offsets
+
+
+def check_32bit_offsets(name: str, x):
+    """Raise unless ``x`` (an operand a Triton kernel indexes) has fewer than 2^31 elements."""
+    if x.size > MAX_TRITON_ELEMENTS:
+        raise ValueError(f"{name} has {x.size} elements: the GPU kernel indexes it with 32-bit offsets "
+                         f"(at most {MAX_TRITON_ELEMENTS}); use a smaller page pool")

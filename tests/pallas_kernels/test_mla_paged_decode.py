@@ -95,6 +95,24 @@ def test_paged_attention_compiled_at_the_end_of_a_pool_of_2_31_words():
         assert not np.any(np.asarray(got[-4:]))
 
 
+def test_pools_past_32_bit_offsets_are_refused_by_both_gpu_decode_kernels():
+    """A pool of 2^31 words or more: a clear error before any GPU kernel runs (Triton's offsets
+    are 32-bit), from the paged MLA kernel and the KDA decode kernel on pages alike."""
+    from pallas_kernels.kda.decode_pages import kda_decode_pages
+
+    spec = jax.ShapeDtypeStruct
+    q, qr = spec((4, 2, 32), jnp.bfloat16), spec((4, 2, 16), jnp.bfloat16)
+    latents = spec((2**20, 128, 24), jnp.uint32)  # 3 x 2^31 words
+    f = partial(paged_mla_decode, page_tokens=64, scale=0.1, backend="gpu")
+    ids = spec((4,), jnp.int32)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        jax.eval_shape(f, q, qr, latents, spec((4, 2), jnp.int32), ids, spec((), jnp.int32))
+    k = spec((4, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        jax.eval_shape(partial(kda_decode_pages, backend="gpu"), spec((2**22, 2, 32, 16), jnp.uint32), 0, ids, ids,
+                       ids, k, k, spec((4, 2, 16), jnp.float32), k, spec((4, 2), jnp.float32))
+
+
 def test_paged_attention_lowers_for_the_h200():
     """jax.export for an abstract H200: the kernel is one Triton call at a Kimi-Linear-48B shape
     (32 heads, L = 512, R = 64, bf16)."""

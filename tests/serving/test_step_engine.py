@@ -302,7 +302,7 @@ class _OracleDrafter:
 
 
 @pytest.mark.parametrize("cache", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time: with the cache
-def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache):
+def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache, engine):
     """Drafts verified in decode windows (4 drafts: a 5-token window through the grouped MoE), by
     the n-gram drafter and by one that knows the answer: greedy outputs equal those without
     speculation, drafts are accepted, nothing compiles after warm-up, and requests whose windows
@@ -318,12 +318,12 @@ def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache):
         while e.has_work():
             e.step()
         assert all(r.result.finish_reason == "length" for r in reqs)
-        assert e.sched.pool.num_used == (e.sched.pool.num_evictable if cache else 0)
-        if cache:
+        assert e.sched.pool.num_used == e.sched.pool.num_evictable
+        if e.sched.cache is not None:
             e.sched.cache.check_invariants()
         return [r.result.token_ids for r in reqs]
 
-    want = run(_engine(**kw))
+    want = run(engine)  # the module engine: no speculation, no prefix cache
     for drafter in (None, _OracleDrafter(prompts, want)):
         spec = _engine(speculative=4, drafter=drafter, **kw)
         spec.warmup()

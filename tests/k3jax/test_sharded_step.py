@@ -46,12 +46,14 @@ class ShardedRunner(Runner):
         return out
 
 
-@pytest.mark.parametrize("axes", [dict(tensor=2, expert=2), pytest.param(dict(tensor=4), marks=pytest.mark.slow),
-                                  dict(tensor=8)], ids=str)
-def test_sharded_step_matches_forward(axes):
+@pytest.mark.parametrize("config,axes", [
+    ("wide", dict(tensor=2, expert=2)), pytest.param("wide", dict(tensor=4), marks=pytest.mark.slow),
+    ("wide", dict(tensor=8)), ("configs/tiny_k3.json", dict(tensor=2, expert=2))], ids=str)
+def test_sharded_step_matches_forward(config, axes):
     """Prefill chunks, decode rows, idle rows and a shared page over three steps: the logits of
-    every row equal the single-device reference's (float32; the sums run in another order)."""
-    cfg, params = _tiny(**WIDE)
+    every row equal the single-device reference's (float32; the sums run in another order); for
+    Kimi Linear and for Kimi K3 (Block AttnRes, LatentMoE, gated MLA, the K3 KDA gates)."""
+    cfg, params = _tiny(**WIDE) if config == "wide" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)
     runner = ShardedRunner(cfg, params, jnp.float32, mesh_of(**axes), scan=True)

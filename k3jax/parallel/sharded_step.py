@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import cached_property
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +58,7 @@ class MeshPlan:
     def tp(self) -> int:
         return self.mesh.shape[TENSOR]
 
-    @cached_property
+    @property
     def expert_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if a in (TENSOR, EXPERT))
 
@@ -73,8 +72,9 @@ class MeshPlan:
 
     def check(self, cfg: ModelConfig):
         """A clear error when the model does not split evenly over this mesh."""
-        need = [("num_heads", cfg.num_heads, self.tp), ("linear_num_heads", cfg.linear_num_heads, self.tp),
-                ("intermediate_size", cfg.intermediate_size, self.tp)]
+        need = [("num_heads", cfg.num_heads, self.tp), ("linear_num_heads", cfg.linear_num_heads, self.tp)]
+        if "dense" in cfg.mlp_types:
+            need.append(("intermediate_size", cfg.intermediate_size, self.tp))
         if "moe" in cfg.mlp_types:
             need += [("num_experts", cfg.num_experts, self.ep),
                      ("shared expert width", cfg.moe_intermediate_size * cfg.n_shared_experts, self.tp)]

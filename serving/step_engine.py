@@ -91,11 +91,12 @@ _STATIC = dict(static_argnames=("shapes", "window", "num_logprobs"))
 _fed_step = jax.jit(fed_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6), **_STATIC)
 
 
-def sharded_fed_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, plan: MeshPlan, specs):
+def sharded_fed_step(cfg: ModelConfig, lay_l: PoolLayout, kernels: StepKernels, plan: MeshPlan, specs):
     """:func:`fed_step` over ``plan``'s mesh (:mod:`k3jax.parallel.sharded_step`), jitted, with
-    ``_fed_step``'s signature less its first three arguments: ``cfg`` and ``lay`` are the global
-    ones (each device sees its part), params placed by ``specs``, the pool ``[tp, N, words]``."""
-    cfg_l, lay_l = local_config(cfg, plan), local_layout(cfg, lay, plan)
+    ``_fed_step``'s signature less its first three arguments: ``cfg`` the global config (each
+    device sees its part), ``lay_l`` a device's page layout, params placed by ``specs``, the pool
+    ``[tp, N, words]``."""
+    cfg_l = local_config(cfg, plan)
 
     @partial(jax.jit, static_argnums=0, donate_argnums=(2, 3), **_STATIC)
     def step(num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs):
@@ -121,11 +122,12 @@ class Runner:
         self.decode_buckets, self.prefill_buckets = tuple(sorted(decode_buckets)), tuple(sorted(prefill_buckets))
         if not self.decode_buckets or not self.prefill_buckets:
             raise ValueError("decode_buckets and prefill_buckets must not be empty")
+        self.device_lay = lay if plan is None else local_layout(cfg, lay, plan)  # one device's pages
         if plan is None:
             self._step = partial(_fed_step, cfg, lay, kernels)
         else:
             self.params, specs = shard_params(cfg, params, plan)
-            self._step = sharded_fed_step(cfg, lay, kernels, plan, specs)
+            self._step = sharded_fed_step(cfg, self.device_lay, kernels, plan, specs)
         self._replicated = None if plan is None else NamedSharding(plan.mesh, PartitionSpec())
         self.pool = self.allocate_pool()
         self.last = jnp.zeros(num_pages, jnp.int32)  # the last token sampled into each state slot
@@ -139,7 +141,7 @@ class Runner:
         :func:`k3jax.parallel.sharded_step.allocate_pool`)."""
         if self.plan is None:
             return self.lay.allocate(self.num_pages)
-        return allocate_pool(local_layout(self.cfg, self.lay, self.plan), self.num_pages, self.plan)
+        return allocate_pool(self.device_lay, self.num_pages, self.plan)
 
     def bucket(self, num_decode: int, prefill_tokens: int, drafts: bool = False) -> tuple[int, int, int]:
         """``(decode rows, prefill tokens, window)`` of the compiled step that runs a plan."""

@@ -107,12 +107,17 @@ def local_layout(cfg: ModelConfig, lay: PoolLayout, plan: MeshPlan) -> PoolLayou
     return PoolLayout.for_model(local_config(cfg, plan), page_tokens=lay.page_tokens, latent_dtype=lay.latent_dtype)
 
 
+def _names(path) -> list[str]:
+    """The dict keys on a param's path (``[layers|runs, ..., name]``; list indices and an MXFP4
+    leaf's ``packed``/``scale`` left out)."""
+    return [k.key for k in path if isinstance(getattr(k, "key", None), str)]
+
+
 def _spec(path, leaf, plan: MeshPlan, cfg: ModelConfig) -> P:
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    names = [k for k in keys if isinstance(k, str) and k not in ("packed", "scale")]
+    keys = _names(path)
     lead = 1 if keys[0] == "runs" else 0  # a scanned run's params carry a leading layer axis
     dims = [None] * leaf.ndim
-    name = names[-1]
+    name = keys[-1]
     if keys[0] == "lm_head" and not cfg.tie_word_embeddings:
         dims[0] = TENSOR
     elif keys[0] in ("layers", "runs"):
@@ -144,7 +149,7 @@ def shard_params(cfg: ModelConfig, params, plan: MeshPlan):
     plan.check(cfg)
 
     def regroup(path, x):
-        keys = [getattr(k, "key", None) for k in path]
+        keys = _names(path)
         if keys[-1] in _INTERLEAVED and keys[0] in ("layers", "runs"):
             return _regroup_qkv(x, 1 if keys[0] == "runs" else 0, plan.tp)
         return x

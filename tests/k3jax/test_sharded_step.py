@@ -20,10 +20,6 @@ from tests.k3jax.test_step import BUCKET, SEVEN_LAYERS, Runner, _reference, _sch
 WIDE = dict(SEVEN_LAYERS, num_attention_heads=8, linear_num_heads=8)
 
 
-def mesh_of(tensor, expert=1) -> Mesh:
-    return step_mesh(tensor, expert)
-
-
 class ShardedRunner(Runner):
     """``test_step.Runner`` with its params and pool on a mesh and its step in ``shard_map``."""
 
@@ -56,7 +52,7 @@ def test_sharded_step_matches_forward(config, axes):
     cfg, params = _tiny(**WIDE) if config == "wide" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)
-    runner = ShardedRunner(cfg, params, jnp.float32, mesh_of(**axes), scan=True)
+    runner = ShardedRunner(cfg, params, jnp.float32, step_mesh(**axes), scan=True)
     assert runner.params["runs"]
     for seq, pos, lg in _schedule(runner, seqs):
         assert rel_rms(lg, ref[seq][pos]) < 1e-5, (seq, pos)
@@ -68,7 +64,7 @@ def test_decode_step_sums_partials_and_moves_no_weights():
     only all-gather is of the sampled rows' logits (vocabulary-split LM head): no expert or other
     weight is gathered, nothing goes all-to-all."""
     cfg, params = _tiny(**WIDE)
-    runner = ShardedRunner(cfg, params, jnp.float32, mesh_of(tensor=2, expert=2), scan=True)
+    runner = ShardedRunner(cfg, params, jnp.float32, step_mesh(tensor=2, expert=2), scan=True)
     batch = pack_batch(runner.lay, [], [], num_pages=runner.N, **dict(BUCKET, num_tokens=4, num_rows=4))
     hlo = runner._step.lower(runner.params, runner.pool, batch).compile().as_text()
     ops = re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all)(?:-start)?\(", hlo)
@@ -81,7 +77,7 @@ def test_decode_step_sums_partials_and_moves_no_weights():
 def test_meshes_the_model_does_not_split_over_are_refused():
     cfg, _ = _tiny()  # 2 heads of each kind
     with pytest.raises(ValueError, match="num_heads = 2 does not split over 4 devices"):
-        local_config(cfg, MeshPlan(mesh_of(4)))
+        local_config(cfg, MeshPlan(step_mesh(4)))
     with pytest.raises(ValueError, match="needs a 'tensor' axis"):
         MeshPlan(Mesh(np.array(jax.devices()[:2]), ("data",)))
     with pytest.raises(ValueError, match="needs that many"):

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
 from k3jax.model.mxfp4 import MXFP4
 from k3jax.model.step import layer_runs, prepare_params
+from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
 from serving.scheduler import Scheduler
@@ -375,7 +375,7 @@ def test_engine_on_a_mesh_gives_the_reference_tokens(engine, greedy_reference):
     """The engine's step over 4 fake devices (tensor 2 x expert 2; the prefix cache on, async
     dispatch): the reference's greedy tokens, then the same prompts again served from the cache.
     Speculation on a mesh is refused (XLA:CPU crashes compiling its window step)."""
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("tensor", "expert"))
+    mesh = step_mesh(2, 2)
     with pytest.raises(ValueError, match="speculative decoding on a mesh"):
         _cached_engine(mesh=mesh, speculative=2)
     e = _cached_engine(mesh=mesh)

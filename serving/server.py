@@ -42,18 +42,21 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 import threading
 import time
 import uuid
 from typing import Literal
 
+import jax.numpy as jnp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from k3jax.parallel import multihost
 from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import EMBEDDED, SEED_MAX, SEED_MIN, Engine, EngineBase, RequestError, SamplingParams
 from serving.http_base import APIError, BackgroundServer, error_body, error_response, install_error_handlers, read_json
@@ -818,10 +821,17 @@ def parser() -> argparse.ArgumentParser:
                     help="step engine: compiled decode batch sizes, e.g. 1,4 (default: powers of four)")
     ap.add_argument("--prefill-buckets", type=_ints, default=None,
                     help="step engine: compiled prefill token counts, e.g. 64,256 (default: powers of four from 64)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="step engine: weights and activations (float32 for exact comparisons)")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="step engine: devices the heads, dense widths and vocabulary split over")
     ap.add_argument("--expert-parallel", type=int, default=1,
                     help="step engine: a second mesh axis the routed experts split over (with --tensor-parallel's)")
+    ap.add_argument("--coordinator", default=None,
+                    help="step engine on several hosts: process 0's host:port for jax.distributed (one k3jax-serve "
+                         "per host, the same flags on each; process 0 serves HTTP, the others run its steps)")
+    ap.add_argument("--num-processes", type=int, default=1, help="with --coordinator: the processes (hosts)")
+    ap.add_argument("--process-id", type=int, default=0, help="with --coordinator: this process's index")
     ap.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
@@ -830,10 +840,10 @@ def parser() -> argparse.ArgumentParser:
 
 def make_engine(a: argparse.Namespace):
     """The engine the parsed flags ask for (not warmed up)."""
-    sharded = a.tensor_parallel * a.expert_parallel > 1
+    sharded = a.tensor_parallel * a.expert_parallel > 1 or a.coordinator is not None
     if a.engine == "step":
-        return StepEngine(a.model, max_running=a.max_slots, max_len=a.max_len, token_budget=a.prefill_chunk,
-                          max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
+        return StepEngine(a.model, dtype=getattr(jnp, a.dtype), max_running=a.max_slots, max_len=a.max_len,
+                          token_budget=a.prefill_chunk, max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
                           decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,
                           speculative=a.speculative, spec_backoff=a.spec_backoff,
                           mesh=step_mesh(a.tensor_parallel, a.expert_parallel) if sharded else None)
@@ -849,26 +859,45 @@ def main(argv=None):
     if a.speculative < 0 or a.spec_backoff < 0:
         ap.error("--speculative and --spec-backoff must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.coordinator is not None:
+        if a.engine != "step":
+            ap.error("--coordinator needs --engine step")
+        try:
+            multihost.initialize(a.coordinator, a.num_processes, a.process_id)
+        except ValueError as e:
+            ap.error(str(e))
     print(f"k3jax-serve: loading {a.model} ({a.engine} engine) ...", flush=True)
     try:
         engine = make_engine(a)
     except ValueError as e:
         ap.error(str(e))
+    if not multihost.is_lead():
+        print(f"k3jax-serve: process {a.process_id} runs process 0's steps", flush=True)
+        engine.runner.follow()
+        return 0
     tokenizer = load_tokenizer(a.model)
     print("k3jax-serve: compiling ...", flush=True)
     t0 = time.perf_counter()
     engine.warmup()
     print(f"k3jax-serve: warm in {time.perf_counter() - t0:.1f} s", flush=True)
     name = a.served_model_name or (f"k3jax-{a.model}" if a.model in EMBEDDED else a.model)
-    server, _ = serve(engine, tokenizer, host=a.host, port=a.port, model_name=name, max_waiting=a.max_waiting,
+    server, app = serve(engine, tokenizer, host=a.host, port=a.port, model_name=name, max_waiting=a.max_waiting,
                       max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout)
     print(f"k3jax-serve: listening on http://{a.host}:{server.port}  "
           f"(try: curl -s localhost:{server.port}/v1/completions -d '{{\"prompt\": \"Hello\", \"max_tokens\": 8}}')",
           flush=True)
+    # SIGTERM as Ctrl-C: uvicorn re-raises the signal after its shutdown; the default action would
+    # end the process before it stops the other processes of a multi-host engine.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        app.loop.stop = True
+        app.loop.thread.join(timeout=60)
+        if isinstance(engine, StepEngine):
+            engine.runner.stop_followers()
     return 0
 
 

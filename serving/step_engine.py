@@ -23,7 +23,9 @@ from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
                               pack_batch, prepare_params, stack_layers, unflatten_batch)
-from k3jax.parallel.sharded_step import MeshPlan, allocate_pool, local_config, local_layout, shard_params, shard_step
+from k3jax.parallel.multihost import broadcast_from_first, is_lead
+from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, local_config, local_layout, put_global, shard_params,
+                                         shard_step)
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
@@ -130,7 +132,7 @@ class Runner:
             self._step = sharded_fed_step(cfg, self.device_lay, kernels, plan, specs)
         self._replicated = None if plan is None else NamedSharding(plan.mesh, PartitionSpec())
         self.pool = self.allocate_pool()
-        self.last = jnp.zeros(num_pages, jnp.int32)  # the last token sampled into each state slot
+        self.last = self.allocate_last()
         self.window = speculative + 1  # decode rows per step carry up to this many tokens when any has drafts
         self.compiled: set[tuple[int, int, int]] = set()
         self.compiles_while_serving = 0
@@ -143,6 +145,10 @@ class Runner:
             return self.lay.allocate(self.num_pages)
         return allocate_pool(self.device_lay, self.num_pages, self.plan)
 
+    def allocate_last(self) -> jax.Array:
+        """``i32[num_pages]``: the last token sampled into each state slot."""
+        return jax.jit(lambda: jnp.zeros(self.num_pages, jnp.int32), out_shardings=self._replicated)()
+
     def bucket(self, num_decode: int, prefill_tokens: int, drafts: bool = False) -> tuple[int, int, int]:
         """``(decode rows, prefill tokens, window)`` of the compiled step that runs a plan."""
         pick = lambda n, buckets: 0 if n == 0 else next(b for b in buckets if b >= n)
@@ -150,10 +156,18 @@ class Runner:
         return nd, pick(prefill_tokens, self.prefill_buckets), self.window if drafts and nd else 1
 
     def _call(self, nd: int, tp: int, w: int, decode, prefill):
+        """Pack and start the step of bucket ``(nd, tp, w)``. With several processes, process 0's
+        bucket and batch go to the others first (they pass none and run what they receive)."""
+        if jax.process_count() > 1 and is_lead():
+            broadcast_from_first(np.array([nd, tp, w], np.int32))
         batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd * w + tp,
                            num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
                            num_pages=self.num_pages, window=w, to_device=False)
-        ints, floats = jax.device_put(flatten_batch(batch), self._replicated)
+        flat = broadcast_from_first(flatten_batch(batch))
+        if self.plan is None:
+            ints, floats = jax.device_put(flat)
+        else:
+            ints, floats = (put_global(x, self._replicated) for x in flat)
         out, self.pool, self.last = self._step(nd, self.params, self.pool, self.last, ints, floats,
                                                shapes=batch_shapes(batch), window=w, num_logprobs=self.num_logprobs)
         return out
@@ -168,6 +182,20 @@ class Runner:
             self.compiled.add(key)
             log.info("compiled step %d/%d (decode rows %d, prefill tokens %d, window %d) in %.1fs", i + 1, len(keys),
                      *key, time.perf_counter() - t0)
+
+    def follow(self):
+        """On a process other than 0 of a multi-process mesh: run the steps process 0 starts
+        (its warm-up's included) until it calls :meth:`stop_followers`."""
+        if is_lead():
+            raise RuntimeError("process 0 plans the steps; follow() is for the other processes")
+        while (key := broadcast_from_first(np.zeros(3, np.int32)))[0] >= 0:
+            self._call(*map(int, key), [], [])
+        log.info("process %d: process 0 stopped serving", jax.process_index())
+
+    def stop_followers(self):
+        """On process 0 of several: end the other processes' :meth:`follow`."""
+        if jax.process_count() > 1 and is_lead():
+            broadcast_from_first(np.array([-1, 0, 0], np.int32))
 
     def dispatch(self, plan: StepPlan):
         """Start the step for ``plan`` (JAX dispatches asynchronously) and return a handle for
@@ -240,7 +268,9 @@ class StepEngine(EngineBase):
         only after ``min(2^(m-1), spec_backoff)`` plain steps.
       mesh: a ``jax.sharding.Mesh`` with a ``tensor`` axis (and optionally ``expert``) to run the
         step over (:mod:`k3jax.parallel.sharded_step`); None: one device. Not with ``speculative``
-        yet.
+        yet. After :func:`k3jax.parallel.multihost.initialize` the mesh spans every process's
+        devices: process 0's engine serves, the others build the same engine and call
+        ``engine.runner.follow()``; process 0 ends them with ``engine.runner.stop_followers()``.
     """
 
     def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
@@ -267,6 +297,9 @@ class StepEngine(EngineBase):
                 params = stack_layers(self.cfg, params)
         self.max_len = max_len
         plan = None if mesh is None else MeshPlan(mesh)
+        if jax.process_count() > 1 and (plan is None or mesh.devices.size != jax.device_count()):
+            raise ValueError(f"with {jax.process_count()} processes the step's mesh must span all "
+                             f"{jax.device_count()} devices of all of them")
         if plan is not None:
             plan.check(self.cfg)
             if speculative:  # its window bucket crashes XLA:CPU's SPMD partitioner (jax 0.11.2); not tried on a GPU
@@ -290,6 +323,7 @@ class StepEngine(EngineBase):
         if num_pages is None:
             per_device = lay if plan is None else local_layout(self.cfg, lay, plan)
             num_pages = _default_pages(per_device, max_running, max_blocks + spare)
+            num_pages = int(broadcast_from_first(np.int64(num_pages)))  # process 0's, on several processes
         if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
@@ -404,7 +438,7 @@ class StepEngine(EngineBase):
         if self.runner.pool.is_deleted() or self.runner.last.is_deleted():
             log.error("the page pool was lost with the failed step: the prefix cache starts empty")
             self.runner.pool = self.runner.allocate_pool()
-            self.runner.last = jnp.zeros(self.runner.num_pages, jnp.int32)
+            self.runner.last = self.runner.allocate_last()
             waiting, ids = list(self.sched.waiting), self.sched.ids
             self.sched = self._scheduler(ids)  # the waiting requests move over in order
             for r in waiting:
@@ -435,7 +469,7 @@ MAX_POOL_WORDS = MAX_TRITON_ELEMENTS
 
 
 def _default_pages(lay: PoolLayout, max_running: int, per_request: int) -> int:
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
         # 30%: a prefill bucket's compiled step held up to two copies of the pool as temporaries
         # on the GPU (H100, 2026-12-06: pool 3.7 GiB, temporaries 7.3 GiB), plus its activations

@@ -156,8 +156,16 @@ def shard_params(cfg: ModelConfig, params, plan: MeshPlan):
 
     params = jax.tree_util.tree_map_with_path(regroup, params)
     specs = param_specs(cfg, params, plan)
-    shardings = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), specs)
-    return jax.device_put(params, shardings), specs
+    placed = jax.tree.map(lambda x, s: put_global(x, NamedSharding(plan.mesh, s)), params, specs)
+    return placed, specs
+
+
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """``x`` (host or local data, the same on every process) as a global array of ``sharding``:
+    each process places only its own devices' slices (with several processes, no check that the
+    data agree and no collective, unlike ``jax.device_put``)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def allocate_pool(lay_local: PoolLayout, num_pages: int, plan: MeshPlan) -> jax.Array:

@@ -1,5 +1,6 @@
 """The engine's decode rate against its bare compiled step at the same batch (issue 52: at least
-0.9x), on a random bf16 model (default: the first 4 layers of Kimi-Linear-48B-A3B).
+0.9x) and against the bandwidth floor (the bytes a decode step must move, over the measured copy
+bandwidth; ``benchmarks.model_step``), on a random bf16 model (default: the first 4 layers of Kimi-Linear-48B-A3B).
 
 ``B`` requests of ``--prompt`` random tokens are prefilled, then ``--steps`` engine steps of pure
 decode are timed (``StepEngine.step``: plan, pack, dispatch, read back, emit; async dispatch on).
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import write_json
-from benchmarks.model_step import sliced_config
+from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, sliced_config
 from k3jax.model import init_params
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
 from serving.engine import SamplingParams
@@ -93,6 +94,7 @@ def main():
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
             "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps}
+    bandwidth = copy_bandwidth()
     rows = []
     for B in map(int, a.batches.split(",")):
         max_len = a.prompt + 2 * a.steps + 64
@@ -104,7 +106,10 @@ def main():
         startup = time.perf_counter() - t0
         eng = engine_decode_ms(engine, B, a.prompt, a.steps)
         bare = bare_decode_ms(engine, B, a.prompt + a.steps, a.steps)
+        r = engine.runner
+        floor = decode_floor_bytes(cfg, r.params, r.lay, B, a.prompt + a.steps) / bandwidth * 1e3
         rows.append({**base, "batch": B, "engine_step_ms": eng, "bare_step_ms": bare, "ratio": bare / eng,
+                     "floor_ms": floor, "engine_of_floor": floor / eng, "copy_GB_s": bandwidth / 1e9,
                      "engine_tokens_per_s": B / eng * 1e3, "startup_s": startup,
                      "compiles_while_serving": engine.runner.compiles_while_serving})
         print(json.dumps(rows[-1]), flush=True)

@@ -6,8 +6,10 @@ import tempfile
 
 # The suite is dominated by XLA:CPU compiling many small programs once each: LLVM's -O0
 # halves compile time (the engine's second-turn test: 87 -> 52 s) and costs little run time
-# here. Read when the backend initialises; the server processes the tests start inherit it.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# here; skipping LLVM's expensive passes takes about 10% more off (a K3 test: 21.8 -> 19.8 s).
+# Read when the backend initialises; the server processes the tests start inherit it.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -52,6 +52,7 @@ class Request:
     spec_misses: int = 0  # consecutive windows with no draft accepted
     spec_wait: int = 0  # steps left without drafts (the back-off after misses)
     aborted: bool = False
+    lane: int = 0  # the engine's data shard (scheduler) that serves it
     finished: threading.Event = field(default_factory=threading.Event)
     result: object = None
     logprobs: list = field(default_factory=list)  # filled before on_token sees the token

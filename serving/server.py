@@ -827,6 +827,9 @@ def parser() -> argparse.ArgumentParser:
                     help="step engine: devices the heads, dense widths and vocabulary split over")
     ap.add_argument("--expert-parallel", type=int, default=1,
                     help="step engine: a second mesh axis the routed experts split over (with --tensor-parallel's)")
+    ap.add_argument("--data-parallel", type=int, default=1,
+                    help="step engine: data shards (a third mesh axis), each with its own batch, pages and scheduler; "
+                         "the routed experts split over all three axes")
     ap.add_argument("--coordinator", default=None,
                     help="step engine on several hosts: process 0's host:port for jax.distributed (one k3jax-serve "
                          "per host, the same flags on each; process 0 serves HTTP, the others run its steps)")
@@ -840,15 +843,15 @@ def parser() -> argparse.ArgumentParser:
 
 def make_engine(a: argparse.Namespace):
     """The engine the parsed flags ask for (not warmed up)."""
-    sharded = a.tensor_parallel * a.expert_parallel > 1 or a.coordinator is not None
+    sharded = a.data_parallel * a.tensor_parallel * a.expert_parallel > 1 or a.coordinator is not None
     if a.engine == "step":
         return StepEngine(a.model, dtype=getattr(jnp, a.dtype), max_running=a.max_slots, max_len=a.max_len,
                           token_budget=a.prefill_chunk, max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
                           decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,
                           speculative=a.speculative, spec_backoff=a.spec_backoff,
-                          mesh=step_mesh(a.tensor_parallel, a.expert_parallel) if sharded else None)
+                          mesh=step_mesh(a.tensor_parallel, a.expert_parallel, data=a.data_parallel) if sharded else None)
     if sharded:
-        raise ValueError("--tensor-parallel and --expert-parallel need --engine step")
+        raise ValueError("--data-parallel, --tensor-parallel and --expert-parallel need --engine step")
     return Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
                   prefix_cache=not a.no_prefix_cache, speculative=a.speculative, spec_backoff=a.spec_backoff)
 

@@ -8,6 +8,7 @@ Speculative decoding runs on the step: a request's drafts ride in its decode row
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -104,7 +105,7 @@ def sharded_fed_step(cfg: ModelConfig, lay_l: PoolLayout, kernels: StepKernels, 
     def step(num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs):
         body = partial(fed_step, cfg_l, lay_l, kernels, num_decode, shapes=shapes, window=window,
                        num_logprobs=num_logprobs, par=plan.parallel)
-        return shard_step(plan, specs, body, num_replicated=3, num_more=1)(params, pool, last, ints, floats)
+        return shard_step(plan, specs, body, num_batch=3, num_more=1)(params, pool, last, ints, floats)
 
     return step
 
@@ -130,7 +131,9 @@ class Runner:
         else:
             self.params, specs = shard_params(cfg, params, plan)
             self._step = sharded_fed_step(cfg, self.device_lay, kernels, plan, specs)
-        self._replicated = None if plan is None else NamedSharding(plan.mesh, PartitionSpec())
+        self.lanes = 1 if plan is None else plan.dp  # data shards: each has its own batch, pool and scheduler
+        # the batch and per-slot arrays: replicated over a mesh, or one per data shard ([lanes, ...])
+        self._batch_sharding = None if plan is None else NamedSharding(plan.mesh, PartitionSpec(plan.data))
         self.pool = self.allocate_pool()
         self.last = self.allocate_last()
         self.window = speculative + 1  # decode rows per step carry up to this many tokens when any has drafts
@@ -146,8 +149,14 @@ class Runner:
         return allocate_pool(self.device_lay, self.num_pages, self.plan)
 
     def allocate_last(self) -> jax.Array:
-        """``i32[num_pages]``: the last token sampled into each state slot."""
-        return jax.jit(lambda: jnp.zeros(self.num_pages, jnp.int32), out_shardings=self._replicated)()
+        """``i32[num_pages]`` (``[lanes, num_pages]`` over a ``data`` axis): the last token
+        sampled into each state slot."""
+        shape = (self.lanes, self.num_pages) if self._stacked else (self.num_pages,)
+        return jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=self._batch_sharding)()
+
+    @property
+    def _stacked(self) -> bool:
+        return self.plan is not None and self.plan.data is not None
 
     def bucket(self, num_decode: int, prefill_tokens: int, drafts: bool = False) -> tuple[int, int, int]:
         """``(decode rows, prefill tokens, window)`` of the compiled step that runs a plan."""
@@ -155,21 +164,25 @@ class Runner:
         nd = pick(num_decode, self.decode_buckets)
         return nd, pick(prefill_tokens, self.prefill_buckets), self.window if drafts and nd else 1
 
-    def _call(self, nd: int, tp: int, w: int, decode, prefill):
-        """Pack and start the step of bucket ``(nd, tp, w)``. With several processes, process 0's
-        bucket and batch go to the others first (they pass none and run what they receive)."""
+    def _call(self, nd: int, tp: int, w: int, rows=None):
+        """Pack and start the step of bucket ``(nd, tp, w)`` on ``rows``, each lane's ``(decode
+        rows, prefill rows)`` (None: padding only). With several processes, process 0's bucket and
+        batch go to the others first (they pass none and run what they receive)."""
         if jax.process_count() > 1 and is_lead():
             broadcast_from_first(np.array([nd, tp, w], np.int32))
-        batch = pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd * w + tp,
-                           num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
-                           num_pages=self.num_pages, window=w, to_device=False)
-        flat = broadcast_from_first(flatten_batch(batch))
+        batches = [pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd * w + tp,
+                              num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
+                              num_pages=self.num_pages, window=w, to_device=False)
+                   for decode, prefill in rows or [([], [])] * self.lanes]
+        flat = [flatten_batch(b) for b in batches]
+        flat = broadcast_from_first(tuple(np.stack(x) for x in zip(*flat)) if self._stacked else flat[0])
         if self.plan is None:
             ints, floats = jax.device_put(flat)
         else:
-            ints, floats = (put_global(x, self._replicated) for x in flat)
+            ints, floats = (put_global(x, self._batch_sharding) for x in flat)
         out, self.pool, self.last = self._step(nd, self.params, self.pool, self.last, ints, floats,
-                                               shapes=batch_shapes(batch), window=w, num_logprobs=self.num_logprobs)
+                                               shapes=batch_shapes(batches[0]), window=w,
+                                               num_logprobs=self.num_logprobs)
         return out
 
     def warmup(self):
@@ -178,7 +191,7 @@ class Runner:
                 for w in sorted({1, self.window if nd else 1})]
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
-            jax.block_until_ready(self._call(*key, [], []).tokens)
+            jax.block_until_ready(self._call(*key).tokens)
             self.compiled.add(key)
             log.info("compiled step %d/%d (decode rows %d, prefill tokens %d, window %d) in %.1fs", i + 1, len(keys),
                      *key, time.perf_counter() - t0)
@@ -189,7 +202,7 @@ class Runner:
         if is_lead():
             raise RuntimeError("process 0 plans the steps; follow() is for the other processes")
         while (key := broadcast_from_first(np.zeros(3, np.int32)))[0] >= 0:
-            self._call(*map(int, key), [], [])
+            self._call(*map(int, key))
         log.info("process %d: process 0 stopped serving", jax.process_index())
 
     def stop_followers(self):
@@ -197,18 +210,20 @@ class Runner:
         if jax.process_count() > 1 and is_lead():
             broadcast_from_first(np.array([-1, 0, 0], np.int32))
 
-    def dispatch(self, plan: StepPlan):
-        """Start the step for ``plan`` (JAX dispatches asynchronously) and return a handle for
-        :meth:`fetch`. A decode row's token -1 is read on the device from its slot's last sample."""
-        key = self.bucket(len(plan.decode), sum(len(r.tokens) for r in plan.prefill),
-                          any(len(r.tokens) > 1 for r in plan.decode))
+    def dispatch(self, plans: list[StepPlan]) -> list:
+        """Start one step for ``plans`` (one per lane; JAX dispatches asynchronously) and return
+        a handle per lane for :meth:`fetch`. The step's bucket holds the largest lane's plan. A
+        decode row's token -1 is read on the device from its slot's last sample."""
+        key = self.bucket(max(len(p.decode) for p in plans), max(sum(len(r.tokens) for r in p.prefill) for p in plans),
+                          any(len(r.tokens) > 1 for p in plans for r in p.decode))
         if key not in self.compiled:
             self.compiles_while_serving += 1
             self.compiled.add(key)
             log.warning("compiling step (decode rows %d, prefill tokens %d, window %d) while serving", *key)
-        out = self._call(*key, plan.decode, plan.prefill)
+        out = self._call(*key, [(p.decode, p.prefill) for p in plans])
         nd = key[0]
-        return out, np.array(list(range(len(plan.decode))) + [nd + i for i in range(len(plan.prefill))], np.int32)
+        return [(out, np.array(list(range(len(p.decode))) + [nd + i for i in range(len(p.prefill))], np.int32),
+                 lane if self._stacked else None) for lane, p in enumerate(plans)]
 
     @staticmethod
     def fetch(handle, logprobs: bool = False):
@@ -216,7 +231,9 @@ class Runner:
         in plan order; ``logprobs`` is ``(logprob f32[rows], top_ids i32[rows, n], top_logprobs
         f32[rows, n])`` when asked, else None; ``drafts[i]`` the draft tokens row ``i`` accepted,
         which it emits after ``tokens[i]`` (only tokens come back from the device)."""
-        out, rows = handle
+        out, rows, lane = handle
+        if lane is not None:  # the step's results for every lane: this lane's
+            out = jax.tree.map(lambda x: np.asarray(x)[lane], out)
         lps = None
         if logprobs:
             lps = tuple(np.asarray(x)[rows] for x in (out.logprob, out.top_ids, out.top_logprobs))
@@ -338,30 +355,35 @@ class StepEngine(EngineBase):
                                 max_chunk=max_chunk, speculative=speculative,
                                 drafter=(drafter or NgramDrafter()) if speculative else None, spec_backoff=spec_backoff)
         self.hash_tokens = hash_tokens if prefix_cache else None
-        self.sched = self._scheduler()
+        self._ids = itertools.count()  # request ids, unique over the lanes and kept when they are rebuilt
+        self.scheds = [self._scheduler() for _ in range(self.runner.lanes)]  # one per data shard
         self._rng = np.random.default_rng(seed)
         self._live: dict[int, Request] = {}
         self._lock = threading.RLock()
         self.async_dispatch = async_dispatch and not speculative
-        self._inflight = None  # (plan, handle, logprobs wanted, dispatch time) of the step not yet read back
+        self._inflight = None  # (plans, handles, logprobs wanted, dispatch time) of the step not yet read back
         self.metrics = {"requests": 0, "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
                         "generation_tokens": 0, "cached_tokens": 0, "steps": 0, "step_tokens": 0, "step_time_s": 0.0,
                         "ttft_sum_s": 0.0, "accepted_drafts": 0}
 
-    def _scheduler(self, ids=None) -> Scheduler:
-        """A scheduler over an empty pool (and an empty prefix cache); ``ids``: the request id
-        counter to go on with."""
+    def _scheduler(self) -> Scheduler:
+        """A scheduler over an empty pool (and an empty prefix cache)."""
         pool = PagePool(self.runner.num_pages, with_storage=False)
         P = self.runner.lay.page_tokens
         cache = PrefixCache(CacheConfig(self.hash_tokens, P, 1, 1, "junction+interval:16"), pool) if self.hash_tokens else None
-        return Scheduler(pool, P, cache=cache, ids=ids, **self._sched_args)
+        return Scheduler(pool, P, cache=cache, ids=self._ids, **self._sched_args)
+
+    @property
+    def sched(self) -> Scheduler:
+        """The scheduler (lane 0's over a mesh with a ``data`` axis)."""
+        return self.scheds[0]
 
     def warmup(self):
         self.runner.warmup()
 
     @property
     def preemptions(self) -> int:
-        return self.sched.preemptions
+        return sum(s.preemptions for s in self.scheds)
 
     def submit(self, prompt, sp: SamplingParams = SamplingParams(), on_token=None) -> Request:
         """Queue a request (thread-safe); :class:`serving.engine.RequestError` for one that can never be served."""
@@ -370,28 +392,32 @@ class StepEngine(EngineBase):
         seed = int(self._rng.integers(2**32)) if sp.seed is None else int(sp.seed) % 2**32
         with self._lock:  # against fail_running: a request is tracked and queued, or neither
             self.metrics["requests"] += 1
-            sched = self.sched
-            req = self._track(sched.new_request(prompt, sp, seed, on_token))
-            sched.add(req)
+            # the lane with the fewest requests (its prefix cache may hold less of this prompt)
+            lane = min(range(len(self.scheds)), key=lambda i: len(self.scheds[i].running) + len(self.scheds[i].waiting))
+            req = self._track(self.scheds[lane].new_request(prompt, sp, seed, on_token))
+            req.lane = lane
+            self.scheds[lane].add(req)
         return req
 
     def has_work(self) -> bool:
-        return self.sched.has_work() or self._inflight is not None
+        return any(s.has_work() for s in self.scheds) or self._inflight is not None
 
     def step(self):
         """Plan and dispatch a step, then read back the previous one (with ``async_dispatch``: the
         device runs step N + 1 while the host emits step N's tokens; else this step's), emit the
         kept tokens and finish what is done."""
-        for r in [r for r in self.sched.running if r.aborted]:
-            self._finish(r, "abort")
-        for r in self.sched.take_aborted_waiting():
-            self._complete(r, "abort")
-        plan = self.sched.plan()
+        for s in self.scheds:
+            for r in [r for r in s.running if r.aborted]:
+                self._finish(r, "abort")
+            for r in s.take_aborted_waiting():
+                self._complete(r, "abort")
+        plans = [s.plan() for s in self.scheds]
         launched = None
-        if plan.requests:
-            want_lp = any(r.sp.logprobs is not None for r in plan.requests)
-            launched = (plan, self.runner.dispatch(plan), want_lp, time.perf_counter())
-            self.sched.advance(plan)
+        if any(p.requests for p in plans):
+            want_lp = any(r.sp.logprobs is not None for p in plans for r in p.requests)
+            launched = (plans, self.runner.dispatch(plans), want_lp, time.perf_counter())
+            for s, p in zip(self.scheds, plans):
+                s.advance(p)
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             self._land(*previous)
@@ -399,13 +425,18 @@ class StepEngine(EngineBase):
             self._inflight = None
             self._land(*launched)
 
-    def _land(self, plan, handle, want_lp: bool, t0: float):
+    def _land(self, plans, handles, want_lp: bool, t0: float):
         """Read a dispatched step's tokens, emit the kept ones (a request finished meanwhile drops
-        its extra token), and make what it wrote matchable in the prefix cache."""
-        tokens, lps, drafts = self.runner.fetch(handle, want_lp)
+        its extra token), and make what it wrote matchable in the prefix caches."""
+        results = [self.runner.fetch(h, want_lp) if p.requests else None for p, h in zip(plans, handles)]
         self.metrics["steps"] += 1
-        self.metrics["step_tokens"] += len(plan.decode) + sum(len(r.tokens) for r in plan.prefill)
         self.metrics["step_time_s"] += time.perf_counter() - t0
+        for sched, plan, res in zip(self.scheds, plans, results):
+            if res is not None:
+                self._land_lane(sched, plan, *res)
+
+    def _land_lane(self, sched: Scheduler, plan, tokens, lps, drafts):
+        self.metrics["step_tokens"] += len(plan.decode) + sum(len(r.tokens) for r in plan.prefill)
         for i, (r, keep, tok) in enumerate(zip(plan.requests, plan.keep, tokens)):
             if not keep:
                 continue
@@ -414,7 +445,7 @@ class StepEngine(EngineBase):
                 continue
             r.done += len(drafts[i])  # the accepted drafts are in the cache too
             if i < len(plan.decode) and len(plan.decode[i].tokens) > 1:
-                self.sched.drafts_landed(r, len(drafts[i]))
+                sched.drafts_landed(r, len(drafts[i]))
             self.metrics["cached_tokens"] += r.cached if not r.out else 0
             self.metrics["accepted_drafts"] += len(drafts[i])
             k = r.sp.logprobs
@@ -424,7 +455,7 @@ class StepEngine(EngineBase):
                 if r.rid not in self._live:  # finished by a stop token or its length
                     break
                 self._emit_token(r, t, lp)
-        self.sched.landed()
+        sched.landed()
 
     def fail_running(self, exc: BaseException) -> list:
         with self._lock:
@@ -439,28 +470,31 @@ class StepEngine(EngineBase):
             log.error("the page pool was lost with the failed step: the prefix cache starts empty")
             self.runner.pool = self.runner.allocate_pool()
             self.runner.last = self.runner.allocate_last()
-            waiting, ids = list(self.sched.waiting), self.sched.ids
-            self.sched = self._scheduler(ids)  # the waiting requests move over in order
-            for r in waiting:
-                self.sched.add(r)
-        elif self.sched.cache is not None:
-            self.sched.cache.end_all_steps()
+            for lane, old in enumerate(self.scheds):
+                self.scheds[lane] = self._scheduler()  # the waiting requests move over in order
+                for r in old.waiting:
+                    self.scheds[lane].add(r)
+        else:
+            for s in self.scheds:
+                if s.cache is not None:
+                    s.cache.end_all_steps()
         return failed
 
     def _finish(self, r: Request, reason: str):
-        self.sched.release(r, keep=reason in ("stop", "length"))
+        self.scheds[r.lane].release(r, keep=reason in ("stop", "length"))
         self._complete(r, reason)
 
     def _release(self, r: Request):
-        self.sched.release(r)
+        self.scheds[r.lane].release(r)
 
     def _waiting_ids(self) -> set[int]:
-        return self.sched.waiting_ids()
+        return set().union(*(s.waiting_ids() for s in self.scheds))
 
     def _counts(self) -> dict:
-        s = self.sched
-        return {"waiting": len(s.waiting), "running": len(s.running), "free_slots": max(0, s.max_decode - len(s.running)),
-                "free_pages": s.pool.num_free + s.pool.num_evictable, "preemptions": s.preemptions,
+        total = lambda f: sum(f(s) for s in self.scheds)
+        return {"waiting": total(lambda s: len(s.waiting)), "running": total(lambda s: len(s.running)),
+                "free_slots": total(lambda s: max(0, s.max_decode - len(s.running))),
+                "free_pages": total(lambda s: s.pool.num_free + s.pool.num_evictable), "preemptions": self.preemptions,
                 "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 
 

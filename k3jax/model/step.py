@@ -104,10 +104,16 @@ class Parallel(NamedTuple):
     :mod:`k3jax.parallel.sharded_step`): the mesh axis its heads, dense widths and vocabulary
     split over (``tensor``; its attention and dense outputs are summed over it, its logits
     gathered), and the axes its routed experts split over (``experts``, row-major; the routed
-    output is summed over them). Its ``cfg`` then counts the device's own heads."""
+    output is summed over them). Its ``cfg`` then counts the device's own heads.
+
+    ``data``: an axis (the first of ``experts``) over which each device has its own batch and
+    pages: the MoE gathers every data shard's tokens, multiplies those routed to its experts,
+    and sums each token's result back to its shard (all-gather + local grouped matmul +
+    reduce-scatter)."""
 
     tensor: str | None = None
     experts: tuple[str, ...] = ()
+    data: str | None = None
 
 
 def _psum(x, axes):
@@ -453,10 +459,13 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
     their grouped matmul. Under ``par.experts`` the device holds experts ``[first, first + E)``
     of the router's: it multiplies only the tokens routed to them (the rest sort last, outside
-    every group, and weigh 0), and the routed sums are added over those axes."""
+    every group, and weigh 0), and the routed sums are added over those axes. Under
+    ``par.data`` that is done for the tokens of every data shard (see :class:`Parallel`)."""
     I = cfg.moe_intermediate_size
-    w, idx = route(cfg, p, x.astype(f32))
     z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
+    w, idx = route(cfg, p, x.astype(f32))
+    if par.data:  # every data shard's tokens, routed where they are
+        w, idx, z = (jax.lax.all_gather(a, par.data, axis=0, tiled=True) for a in (w, idx, z))
     E = jax.tree.leaves(p["gate_up"])[0].shape[0]  # the experts on this device
     if par.experts:
         idx = idx - jax.lax.axis_index(par.experts) * E
@@ -476,7 +485,10 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     y = grouped(glu(cfg, h[:, :I], h[:, I:]), p["down"])
     if par.experts:  # rows past the groups: not this device's (a grouped matmul may leave them unset)
         y = jnp.where((flat[order] < E)[:, None], y, 0.0)
-    y = _psum(jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None]), par.experts)
+    y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
+    if par.data:  # each shard's tokens back to it, summed over the data axis's experts
+        y = jax.lax.psum_scatter(y, par.data, scatter_dimension=0, tiled=True)
+    y = _psum(y, tuple(a for a in par.experts if a != par.data))
     return latent_moe_out(cfg, p, y, linear) + _psum(dense_mlp(cfg, p["shared"], x), par.tensor)
 
 

@@ -1,4 +1,4 @@
-"""The serving step over a device mesh: tensor and expert parallelism by ``shard_map``.
+"""The serving step over a device mesh: tensor, expert and data parallelism by ``shard_map``.
 
 A mesh with a ``tensor`` axis (and optionally an ``expert`` axis) splits the step's weights:
 
@@ -7,7 +7,7 @@ A mesh with a ``tensor`` axis (and optionally an ``expert`` axis) splits the ste
   the dense and shared-expert widths, and the LM head's vocabulary (unless it is the tied
   embedding). Each device's attention and dense outputs are partial sums, added by one
   all-reduce per sublayer; the logits of the sampled rows are all-gathered.
-- over ``tensor`` and ``expert`` together: the routed experts. Every device routes every token
+- over ``tensor`` and ``expert`` (and ``data``) together: the routed experts. Every device routes every token
   (the router is replicated), multiplies only the tokens routed to its own experts (one grouped
   matmul, no expert weight moves), and the routed sums are all-reduced.
 
@@ -16,6 +16,12 @@ own heads (:func:`local_config`) and its own page pool (:func:`local_layout`): t
 and page ids on every device (one allocator, one scheduler), each page holding the device's KDA
 heads and a copy of every MLA latent (MLA's latent is shared by all heads, so it is replicated
 over ``tensor``, as in the peers). Over ``expert`` the attention is replicated.
+
+A ``data`` axis (first) gives data parallel attention with expert parallelism across it: each
+data shard has its own batch and its own pool (its own scheduler in the engine), the routed
+experts split over all the mesh's axes, and each MoE layer gathers every shard's tokens,
+multiplies those routed to the device's experts and reduce-scatters the sums back (all-gather +
+local grouped matmul: no expert weight moves; the shards step together).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from k3jax.model.config import ModelConfig
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import Parallel
 
-TENSOR, EXPERT = "tensor", "expert"
+DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 
 # Per-head or per-channel weights split along their first (output) axis, and output
 # projections split along their second (input) axis; keyed by the param's name.
@@ -44,23 +50,43 @@ _INTERLEAVED = {"qkv", "conv"}  # [q | k | v] rows: regrouped so each device's s
 
 @dataclasses.dataclass(frozen=True)
 class MeshPlan:
-    """A mesh with axes ``tensor`` and optionally ``expert`` (any other axis is refused)."""
+    """A mesh with a ``tensor`` axis and optionally ``data`` (first) and ``expert`` axes (any
+    other axis is refused)."""
 
     mesh: Mesh
 
     def __post_init__(self):
-        names = set(self.mesh.axis_names)
-        if TENSOR not in names or names - {TENSOR, EXPERT}:
-            raise ValueError(f"the step's mesh needs a '{TENSOR}' axis and at most an '{EXPERT}' axis beside it, "
-                             f"got axes {self.mesh.axis_names}")
+        names = self.mesh.axis_names
+        if TENSOR not in names or set(names) - {DATA, TENSOR, EXPERT} or (DATA in names and names[0] != DATA):
+            raise ValueError(f"the step's mesh needs a '{TENSOR}' axis, optionally a '{DATA}' axis first and an "
+                             f"'{EXPERT}' axis, got axes {names}")
 
     @property
     def tp(self) -> int:
         return self.mesh.shape[TENSOR]
 
     @property
+    def dp(self) -> int:
+        """Data shards: each runs its own batch on its own pages (1: no ``data`` axis)."""
+        return self.mesh.shape.get(DATA, 1)
+
+    @property
+    def data(self) -> str | None:
+        return DATA if DATA in self.mesh.axis_names else None
+
+    @property
+    def pool_lead(self) -> tuple[int, ...]:
+        """The pool's leading (per-device) dimensions: ``(tp,)``, or ``(dp, tp)``."""
+        return (self.dp, self.tp) if self.data else (self.tp,)
+
+    @property
+    def pool_spec(self) -> P:
+        return P(DATA, TENSOR) if self.data else P(TENSOR)
+
+    @property
     def expert_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in self.mesh.axis_names if a in (TENSOR, EXPERT))
+        """The axes the routed experts split over: all of the mesh's, in its order."""
+        return tuple(self.mesh.axis_names)
 
     @property
     def ep(self) -> int:
@@ -68,7 +94,7 @@ class MeshPlan:
 
     @property
     def parallel(self) -> Parallel:
-        return Parallel(tensor=TENSOR, experts=self.expert_axes)
+        return Parallel(tensor=TENSOR, experts=self.expert_axes, data=self.data)
 
     def check(self, cfg: ModelConfig):
         """A clear error when the model does not split evenly over this mesh."""
@@ -85,13 +111,16 @@ class MeshPlan:
                 raise ValueError(f"{name} = {n} does not split over {d} devices of mesh {dict(self.mesh.shape)}")
 
 
-def step_mesh(tensor: int, expert: int = 1, devices=None) -> Mesh:
-    """A ``tensor`` x ``expert`` mesh of the first devices (of ``devices``, default all local ones)."""
+def step_mesh(tensor: int, expert: int = 1, devices=None, data: int = 1) -> Mesh:
+    """A ``data`` x ``tensor`` x ``expert`` mesh (the axes of size 1 but ``tensor`` left out) of
+    the first devices (of ``devices``, default all of them)."""
     devices = jax.devices() if devices is None else devices
-    if tensor < 1 or expert < 1 or tensor * expert > len(devices):
-        raise ValueError(f"a mesh of tensor {tensor} x expert {expert} needs that many of the {len(devices)} devices")
-    shape, names = ((tensor, expert), (TENSOR, EXPERT)) if expert > 1 else ((tensor,), (TENSOR,))
-    return Mesh(np.array(devices[: tensor * expert]).reshape(shape), names)
+    if min(data, tensor, expert) < 1 or data * tensor * expert > len(devices):
+        raise ValueError(f"a mesh of data {data} x tensor {tensor} x expert {expert} needs that many of the "
+                         f"{len(devices)} devices")
+    axes = [(n, d) for n, d in ((DATA, data), (TENSOR, tensor), (EXPERT, expert)) if d > 1 or n == TENSOR]
+    names, shape = zip(*axes)
+    return Mesh(np.array(devices[: math.prod(shape)]).reshape(shape), names)
 
 
 def local_config(cfg: ModelConfig, plan: MeshPlan) -> ModelConfig:
@@ -169,21 +198,26 @@ def put_global(x, sharding: NamedSharding) -> jax.Array:
 
 
 def allocate_pool(lay_local: PoolLayout, num_pages: int, plan: MeshPlan) -> jax.Array:
-    """A zeroed pool ``u32[tp, num_pages, page_words]``: device ``d`` of the tensor axis holds
-    ``[d]`` (replicated over ``expert``)."""
-    shape = (plan.tp, num_pages, lay_local.page_words)
-    return jax.jit(lambda: jnp.zeros(shape, jnp.uint32), out_shardings=NamedSharding(plan.mesh, P(TENSOR)))()
+    """A zeroed pool ``u32[tp, num_pages, page_words]`` (``[dp, tp, ...]`` with a ``data`` axis):
+    device ``d`` of the tensor axis holds ``[d]`` (replicated over ``expert``)."""
+    shape = (*plan.pool_lead, num_pages, lay_local.page_words)
+    return jax.jit(lambda: jnp.zeros(shape, jnp.uint32), out_shardings=NamedSharding(plan.mesh, plan.pool_spec))()
 
 
-def shard_step(plan: MeshPlan, specs, body, num_replicated: int, num_more: int = 0):
+def shard_step(plan: MeshPlan, specs, body, num_batch: int, num_more: int = 0):
     """``body(params, pool, *args) -> (out, pool, *more)``, one device's step, as a function of
-    the mesh-placed params, the ``[tp, N, words]`` pool and ``num_replicated`` replicated
-    arguments; ``out`` and the ``num_more`` others come back replicated (equal on every device:
-    the step's sums and gathers make them so)."""
+    the mesh-placed params, the pool (:func:`allocate_pool`) and ``num_batch`` batch arguments;
+    ``out`` and the ``num_more`` others come back the same way. Batch arguments and results are
+    replicated (the step's sums and gathers make every device's equal), or with a ``data`` axis
+    stacked ``[dp, ...]``, one per data shard."""
+    dp = plan.data is not None
+    unstack = lambda tree: jax.tree.map(lambda x: x[0], tree) if dp else tree
+    stack = lambda tree: jax.tree.map(lambda x: x[None], tree) if dp else tree
 
     def local(params, pool, *args):
-        out, pool, *more = body(params, pool[0], *args)
-        return (out, pool[None], *more)
+        out, pool, *more = body(params, pool[0, 0] if dp else pool[0], *unstack(args))
+        return (stack(out), pool[None, None] if dp else pool[None], *stack(more))
 
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, P(TENSOR), *([P()] * num_replicated)),
-                         out_specs=(P(), P(TENSOR), *([P()] * num_more)), check_vma=False)
+    batch = P(DATA) if dp else P()
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, plan.pool_spec, *([batch] * num_batch)),
+                         out_specs=(batch, plan.pool_spec, *([batch] * num_more)), check_vma=False)

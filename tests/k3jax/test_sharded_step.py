@@ -34,7 +34,7 @@ class ShardedRunner(Runner):
             return model_step(local_cfg, local_lay, self.kernels, BUCKET["num_decode"], params, pool, batch,
                               return_logits=True, par=plan.parallel)
 
-        self._step = jax.jit(shard_step(plan, specs, body, num_replicated=1), donate_argnums=1)
+        self._step = jax.jit(shard_step(plan, specs, body, num_batch=1), donate_argnums=1)
 
     def step(self, decode, prefill, window=1):
         batch = pack_batch(self.lay, decode, prefill, num_pages=self.N, window=window, **BUCKET)
@@ -82,3 +82,23 @@ def test_meshes_the_model_does_not_split_over_are_refused():
         MeshPlan(Mesh(np.array(jax.devices()[:2]), ("data",)))
     with pytest.raises(ValueError, match="needs that many"):
         step_mesh(4, 4)
+
+
+def test_data_axis_gathers_tokens_and_no_weights():
+    """The compiled decode step on (data 2, tensor 2): the MoE all-gathers the data shards'
+    tokens (activations ``[2 T, ...]``) and reduce-scatters their sums back; the only other
+    gather is the logits'. No weight is gathered."""
+    cfg, params = _tiny()
+    runner = ShardedRunner(cfg, params, jnp.float32, step_mesh(2, data=2))
+    assert runner.pool.shape[:2] == (2, 2)
+    T = 4
+    batch = pack_batch(runner.lay, [], [], num_pages=runner.N, **dict(BUCKET, num_tokens=T, num_rows=4))
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), batch)  # one batch per data shard
+    hlo = runner._step.lower(runner.params, runner.pool, stacked).compile().as_text()
+    ops = re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(", hlo)
+    kinds = [k for _, k in ops]
+    assert "reduce-scatter" in kinds and "all-to-all" not in kinds, kinds
+    gathers = [shape for shape, k in ops if k == "all-gather"]
+    tokens = rf"\w+\[{2 * T}(,\d+)*\]"  # a [2 T, ...] activation, routing weights or expert ids
+    logits = rf"f32\[\d+,{cfg.vocab_size}\]"
+    assert gathers and all(re.fullmatch(rf"({tokens}|{logits})(\{{.*\}})?", s) for s in gathers), gathers

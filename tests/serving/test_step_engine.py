@@ -385,3 +385,20 @@ def test_engine_on_a_mesh_gives_the_reference_tokens(engine, greedy_reference):
     assert [t for t, _ in again] == greedy_reference and again[0][1] == 80
     assert e.runner.compiles_while_serving == 0
     assert len(e.runner.pool.sharding.device_set) == 4 and e.runner.pool.shape[0] == 2
+
+
+def test_engine_with_a_data_axis_gives_the_reference_tokens(greedy_reference):
+    """Data 2 x tensor 2: the prompts spread over two lanes (each its own batch, pages and
+    scheduler, one step for both), the experts over all four devices; the reference's greedy
+    tokens, then again from each lane's prefix cache."""
+    e = _cached_engine(mesh=step_mesh(2, data=2))
+    assert e.runner.lanes == 2 and e.runner.pool.shape[:2] == (2, 2) and e.runner.last.shape[0] == 2
+    e.warmup()
+    reqs = [e.submit(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
+    assert sorted(r.lane for r in reqs) == [0, 0, 1, 1]
+    while e.has_work():
+        e.step()
+    assert [r.result.token_ids for r in reqs] == greedy_reference
+    again = _run(e, PROMPTS)
+    assert [t for t, _ in again] == greedy_reference and again[0][1] == 80
+    assert e.runner.compiles_while_serving == 0 and e.stats()["running"] == 0

@@ -371,14 +371,11 @@ def test_drafts_take_only_spare_pages():
     assert s.preemptions == 0 and [len(row.tokens) for row in plan.decode] == [2, 2]  # 14 + 1 + 1 = one page
 
 
+@pytest.mark.slow  # the same mesh serves end to end in tests/serving/test_multihost.py (over two processes)
 def test_engine_on_a_mesh_gives_the_reference_tokens(engine, greedy_reference):
     """The engine's step over 4 fake devices (tensor 2 x expert 2; the prefix cache on, async
-    dispatch): the reference's greedy tokens, then the same prompts again served from the cache.
-    Speculation on a mesh is refused (XLA:CPU crashes compiling its window step)."""
-    mesh = step_mesh(2, 2)
-    with pytest.raises(ValueError, match="speculative decoding on a mesh"):
-        _cached_engine(mesh=mesh, speculative=2)
-    e = _cached_engine(mesh=mesh)
+    dispatch): the reference's greedy tokens, then the same prompts again served from the cache."""
+    e = _cached_engine(mesh=step_mesh(2, 2))
     e.warmup()
     assert [t for t, _ in _run(e, PROMPTS)] == greedy_reference
     again = _run(e, PROMPTS)
@@ -390,8 +387,12 @@ def test_engine_on_a_mesh_gives_the_reference_tokens(engine, greedy_reference):
 def test_engine_with_a_data_axis_gives_the_reference_tokens(greedy_reference):
     """Data 2 x tensor 2: the prompts spread over two lanes (each its own batch, pages and
     scheduler, one step for both), the experts over all four devices; the reference's greedy
-    tokens, then again from each lane's prefix cache."""
-    e = _cached_engine(mesh=step_mesh(2, data=2))
+    tokens, then again from each lane's prefix cache. Speculation on a mesh is refused (XLA:CPU
+    crashes compiling its window step)."""
+    mesh = step_mesh(2, data=2)
+    with pytest.raises(ValueError, match="speculative decoding on a mesh"):
+        _cached_engine(mesh=mesh, speculative=2)
+    e = _cached_engine(mesh=mesh)
     assert e.runner.lanes == 2 and e.runner.pool.shape[:2] == (2, 2) and e.runner.last.shape[0] == 2
     e.warmup()
     reqs = [e.submit(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]

@@ -85,7 +85,9 @@ def fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *,
     final = out.tokens
     if out.accepted is not None:  # a window's last emitted token
         last_drafted = out.window[jnp.arange(num_decode), out.accepted]
-        final = final.at[:num_decode].set(jnp.where(out.accepted > 0, last_drafted, out.tokens[:num_decode]))
+        kept = jnp.where(out.accepted > 0, last_drafted, out.tokens[:num_decode])
+        # (not .at[:n].set: its empty index constant crashes Shardy inside shard_map, jax 0.11.2)
+        final = jax.lax.dynamic_update_slice_in_dim(final, kept, 0, 0)
     slots = jnp.where(batch.state_slot >= 0, batch.state_slot, last.shape[0])
     return out, pool, last.at[slots].set(final, mode="drop")
 
@@ -284,8 +286,7 @@ class StepEngine(EngineBase):
         spec_backoff: after ``m`` windows in a row with no draft accepted, a request drafts again
         only after ``min(2^(m-1), spec_backoff)`` plain steps.
       mesh: a ``jax.sharding.Mesh`` with a ``tensor`` axis (and optionally ``expert``) to run the
-        step over (:mod:`k3jax.parallel.sharded_step`); None: one device. Not with ``speculative``
-        yet. After :func:`k3jax.parallel.multihost.initialize` the mesh spans every process's
+        step over (:mod:`k3jax.parallel.sharded_step`); None: one device. After :func:`k3jax.parallel.multihost.initialize` the mesh spans every process's
         devices: process 0's engine serves, the others build the same engine and call
         ``engine.runner.follow()``; process 0 ends them with ``engine.runner.stop_followers()``.
     """
@@ -319,8 +320,6 @@ class StepEngine(EngineBase):
                              f"{jax.device_count()} devices of all of them")
         if plan is not None:
             plan.check(self.cfg)
-            if speculative:  # its window bucket crashes XLA:CPU's SPMD partitioner (jax 0.11.2); not tried on a GPU
-                raise ValueError("speculative decoding on a mesh is not supported yet")
         lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype,
                                    token_multiple=hash_tokens if prefix_cache else 16)
         if prefix_cache and lay.page_tokens % hash_tokens:

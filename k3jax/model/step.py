@@ -419,7 +419,7 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     nd, nt, R = rows.nd, rows.nt, batch.start.shape[0]
     ends = batch.start + batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
     if rows.W > 1:  # a window's padding positions were never written: not part of its context
-        ends = ends.at[:nd].set(batch.start[:nd] + 1 + batch.draft[:nd])
+        ends = jax.lax.dynamic_update_slice_in_dim(ends, batch.start[:nd] + 1 + batch.draft[:nd], 0, 0)
     paged = nd and kernels.mla_decode is not None
     scale = (nope + rope) ** -0.5
     outs = []
@@ -698,7 +698,7 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         # (the same logits its drafts are checked against: a greedy row's token is greedy[:, 0])
         nt = rows.nt
         win_logits = logits_of(jnp.arange(nt))
-        last = last.at[:num_decode].set(jnp.arange(num_decode, dtype=i32) * window)
+        last = jax.lax.dynamic_update_slice_in_dim(last, jnp.arange(num_decode, dtype=i32) * window, 0, 0)
         logits = jnp.concatenate([win_logits[::window], logits_of(last[num_decode:])])
         greedy = jnp.argmax(win_logits, -1).astype(i32).reshape(num_decode, window)
     else:

@@ -24,7 +24,7 @@ from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
                               pack_batch, prepare_params, stack_layers, unflatten_batch)
-from k3jax.parallel.multihost import broadcast_from_first, is_lead
+from k3jax.parallel.multihost import StepChannel, broadcast_from_first, is_lead
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, local_config, local_layout, put_global, shard_params,
                                          shard_step)
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
@@ -138,6 +138,7 @@ class Runner:
         self._batch_sharding = None if plan is None else NamedSharding(plan.mesh, PartitionSpec(plan.data))
         self.pool = self.allocate_pool()
         self.last = self.allocate_last()
+        self.channel = StepChannel() if jax.process_count() > 1 else None  # process 0's steps to the others
         self.window = speculative + 1  # decode rows per step carry up to this many tokens when any has drafts
         self.compiled: set[tuple[int, int, int]] = set()
         self.compiles_while_serving = 0
@@ -166,18 +167,24 @@ class Runner:
         nd = pick(num_decode, self.decode_buckets)
         return nd, pick(prefill_tokens, self.prefill_buckets), self.window if drafts and nd else 1
 
-    def _call(self, nd: int, tp: int, w: int, rows=None):
+    def _call(self, nd: int, tp: int, w: int, rows=None, received=None):
         """Pack and start the step of bucket ``(nd, tp, w)`` on ``rows``, each lane's ``(decode
-        rows, prefill rows)`` (None: padding only). With several processes, process 0's bucket and
-        batch go to the others first (they pass none and run what they receive)."""
-        if jax.process_count() > 1 and is_lead():
-            broadcast_from_first(np.array([nd, tp, w], np.int32))
+        rows, prefill rows)`` (None: padding only). With several processes, process 0 sends the
+        bucket and batch to the others first; they run it with ``received``, its ``(ints, floats)``."""
+        if self.channel is not None and not is_lead() and received is None:
+            raise RuntimeError("with several processes only process 0 starts steps; the others follow()")
+        lanes = rows or [([], [])] * (1 if received is not None else self.lanes)
         batches = [pack_batch(self.lay, decode, prefill, num_decode=nd, num_tokens=nd * w + tp,
                               num_rows=nd + (self.max_prefill_rows if tp else 0), max_blocks=self.max_blocks,
                               num_pages=self.num_pages, window=w, to_device=False)
-                   for decode, prefill in rows or [([], [])] * self.lanes]
-        flat = [flatten_batch(b) for b in batches]
-        flat = broadcast_from_first(tuple(np.stack(x) for x in zip(*flat)) if self._stacked else flat[0])
+                   for decode, prefill in lanes]
+        if received is None:
+            flats = [flatten_batch(b) for b in batches]
+            flat = tuple(np.stack(x) for x in zip(*flats)) if self._stacked else flats[0]
+            if self.channel is not None:
+                self.channel.send((nd, tp, w), *(x.ravel() for x in flat))
+        else:
+            flat = tuple(x.reshape(self.lanes, -1) for x in received) if self._stacked else received
         if self.plan is None:
             ints, floats = jax.device_put(flat)
         else:
@@ -201,16 +208,17 @@ class Runner:
     def follow(self):
         """On a process other than 0 of a multi-process mesh: run the steps process 0 starts
         (its warm-up's included) until it calls :meth:`stop_followers`."""
-        if is_lead():
-            raise RuntimeError("process 0 plans the steps; follow() is for the other processes")
-        while (key := broadcast_from_first(np.zeros(3, np.int32)))[0] >= 0:
-            self._call(*map(int, key))
+        if self.channel is None or is_lead():
+            raise RuntimeError("process 0 plans the steps; follow() is for the other processes of several")
+        while (step := self.channel.receive()) is not None:
+            key, ints, floats = step
+            self._call(*key, received=(ints, floats))
         log.info("process %d: process 0 stopped serving", jax.process_index())
 
     def stop_followers(self):
         """On process 0 of several: end the other processes' :meth:`follow`."""
-        if jax.process_count() > 1 and is_lead():
-            broadcast_from_first(np.array([-1, 0, 0], np.int32))
+        if self.channel is not None and is_lead():
+            self.channel.send((-1, 0, 0))
 
     def dispatch(self, plans: list[StepPlan]) -> list:
         """Start one step for ``plans`` (one per lane; JAX dispatches asynchronously) and return

@@ -2,8 +2,9 @@
 
 Every process holds its own devices' part of the weights and page pool and must launch the same
 jitted programs in the same order. In the serving engine only process 0 plans (scheduler, HTTP);
-before each step it sends the step's bucket and packed batch with :func:`broadcast_from_first`,
-and the other processes run what they receive (``serving.step_engine.Runner.follow``).
+before each step it sends the step's bucket and packed batch through a :class:`StepChannel`
+(``jax.distributed``'s key-value store: host to host, so process 0 goes on planning while the
+devices run), and the other processes run what they receive (``serving.step_engine.Runner.follow``).
 
 On CPU the cross-process collectives are gloo's (so a two-process run on one machine works, as
 the tests do); on GPU, NCCL; on TPU, ICI.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax._src import distributed  # the key-value store of jax.distributed's client (no public handle)
 from jax.experimental import multihost_utils
 
 
@@ -37,3 +39,44 @@ def broadcast_from_first(tree):
     if jax.process_count() == 1:
         return tree
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+
+
+class StepChannel:
+    """Process 0's steps to the other processes, in order, through ``jax.distributed``'s
+    key-value store: each message is a bucket ``(decode rows, prefill tokens, window)`` and the
+    step's packed ``int32`` and ``float32`` batch (or the stop). Only the last few are kept."""
+
+    KEEP = 16  # messages kept in the store: the others are at most a step or two behind (each step is a collective)
+    POLL_MS = 10_000  # a follower's wait per try; it waits on while the store answers (an idle server sends nothing)
+
+    def __init__(self, name: str = "k3jax/steps"):
+        self.client = distributed.global_state.client
+        if self.client is None:
+            raise RuntimeError("StepChannel needs jax.distributed (k3jax.parallel.multihost.initialize)")
+        self.name, self.n = name, 0
+
+    def send(self, key, ints: np.ndarray | None = None, floats: np.ndarray | None = None):
+        """Process 0: the next step (``key`` ``(-1, 0, 0)``: stop)."""
+        ints = np.zeros(0, np.int32) if ints is None else np.ascontiguousarray(ints, np.int32)
+        floats = np.zeros(0, np.float32) if floats is None else np.ascontiguousarray(floats, np.float32)
+        head = np.array([*key, ints.size, floats.size], np.int32)
+        self.client.key_value_set_bytes(f"{self.name}/{self.n}", head.tobytes() + ints.tobytes() + floats.tobytes())
+        if self.n >= self.KEEP:
+            self.client.key_value_delete(f"{self.name}/{self.n - self.KEEP}")
+        self.n += 1
+
+    def receive(self):
+        """Another process: the next step ``(key, ints, floats)`` (flat arrays), or None at the stop."""
+        while True:
+            try:
+                raw = self.client.blocking_key_value_get_bytes(f"{self.name}/{self.n}", self.POLL_MS)
+                break
+            except Exception as e:  # noqa: BLE001 - only a timeout is waited out
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        self.n += 1
+        head = np.frombuffer(raw[:20], np.int32)
+        ni, nf = int(head[3]), int(head[4])
+        ints = np.frombuffer(raw[20 : 20 + 4 * ni], np.int32)
+        floats = np.frombuffer(raw[20 + 4 * ni : 20 + 4 * (ni + nf)], np.float32)
+        return None if head[0] < 0 else (tuple(int(x) for x in head[:3]), ints, floats)

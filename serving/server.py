@@ -828,8 +828,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--expert-parallel", type=int, default=1,
                     help="step engine: a second mesh axis the routed experts split over (with --tensor-parallel's)")
     ap.add_argument("--data-parallel", type=int, default=1,
-                    help="step engine: data shards (a third mesh axis), each with its own batch, pages and scheduler; "
-                         "the routed experts split over all three axes")
+                    help="step engine: data shards (a third mesh axis), each with its own batch, pages, prefix cache "
+                         "and scheduler (--max-slots each; a request goes to the least busy); the routed experts split "
+                         "over all three axes")
     ap.add_argument("--coordinator", default=None,
                     help="step engine on several hosts: process 0's host:port for jax.distributed (one k3jax-serve "
                          "per host, the same flags on each; process 0 serves HTTP, the others run its steps)")
@@ -862,6 +863,8 @@ def main(argv=None):
     if a.speculative < 0 or a.spec_backoff < 0:
         ap.error("--speculative and --spec-backoff must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.coordinator is None and (a.num_processes != 1 or a.process_id != 0):
+        ap.error("--num-processes and --process-id need --coordinator")
     if a.coordinator is not None:
         if a.engine != "step":
             ap.error("--coordinator needs --engine step")
@@ -878,28 +881,30 @@ def main(argv=None):
         print(f"k3jax-serve: process {a.process_id} runs process 0's steps", flush=True)
         engine.runner.follow()
         return 0
-    tokenizer = load_tokenizer(a.model)
-    print("k3jax-serve: compiling ...", flush=True)
-    t0 = time.perf_counter()
-    engine.warmup()
-    print(f"k3jax-serve: warm in {time.perf_counter() - t0:.1f} s", flush=True)
-    name = a.served_model_name or (f"k3jax-{a.model}" if a.model in EMBEDDED else a.model)
-    server, app = serve(engine, tokenizer, host=a.host, port=a.port, model_name=name, max_waiting=a.max_waiting,
-                      max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout)
-    print(f"k3jax-serve: listening on http://{a.host}:{server.port}  "
-          f"(try: curl -s localhost:{server.port}/v1/completions -d '{{\"prompt\": \"Hello\", \"max_tokens\": 8}}')",
-          flush=True)
     # SIGTERM as Ctrl-C: uvicorn re-raises the signal after its shutdown; the default action would
     # end the process before it stops the other processes of a multi-host engine.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    app = None
     try:
+        tokenizer = load_tokenizer(a.model)
+        print("k3jax-serve: compiling ...", flush=True)
+        t0 = time.perf_counter()
+        engine.warmup()
+        print(f"k3jax-serve: warm in {time.perf_counter() - t0:.1f} s", flush=True)
+        name = a.served_model_name or (f"k3jax-{a.model}" if a.model in EMBEDDED else a.model)
+        server, app = serve(engine, tokenizer, host=a.host, port=a.port, model_name=name, max_waiting=a.max_waiting,
+                            max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout)
+        print(f"k3jax-serve: listening on http://{a.host}:{server.port}  "
+              f"(try: curl -s localhost:{server.port}/v1/completions -d '{{\"prompt\": \"Hello\", \"max_tokens\": 8}}')",
+              flush=True)
         server.run()
     except KeyboardInterrupt:
         pass
-    finally:
-        app.loop.stop = True
-        app.loop.thread.join(timeout=60)
-        if isinstance(engine, StepEngine):
+    finally:  # however process 0 ends, the others stop too (else they wait in the step channel)
+        if app is not None:
+            app.loop.stop = True
+            app.loop.thread.join(timeout=60)
+        if isinstance(engine, StepEngine) and (app is None or not app.loop.thread.is_alive()):
             engine.runner.stop_followers()
     return 0
 

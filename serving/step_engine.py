@@ -24,9 +24,9 @@ from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
                               pack_batch, prepare_params, stack_layers, unflatten_batch)
-from k3jax.parallel.multihost import StepChannel, broadcast_from_first, is_lead
-from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, local_config, local_layout, put_global, shard_params,
-                                         shard_step)
+from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
+from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, local_config, local_layout,
+                                         param_specs, put_global, shard_params, shard_step)
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
@@ -346,8 +346,10 @@ class StepEngine(EngineBase):
         spare = 5 + max_len // (16 * hash_tokens) if prefix_cache else 1
         if num_pages is None:
             per_device = lay if plan is None else local_layout(self.cfg, lay, plan)
-            num_pages = _default_pages(per_device, max_running, max_blocks + spare)
-            num_pages = int(broadcast_from_first(np.int64(num_pages)))  # process 0's, on several processes
+            # on a mesh the weights are still in host memory: a device's share is set aside
+            weights = 0 if plan is None else device_param_bytes(params, param_specs(self.cfg, params, plan), mesh)
+            num_pages = _default_pages(per_device, max_running, max_blocks + spare, weights)
+            num_pages = min_over_processes(num_pages)  # the same pool everywhere, fitting the fullest device
         if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
@@ -473,6 +475,12 @@ class StepEngine(EngineBase):
         for r in list(self._live.values()):
             r.pending = 0
         failed = super().fail_running(exc)
+        if self.runner.channel is not None:
+            # The other processes may be stuck in the failed step's collectives: going on would pair
+            # the next step's with theirs. Stop them and this engine's loop (its /health turns 503).
+            log.critical("a step failed with %d processes: stopping them and this engine", jax.process_count())
+            self.runner.stop_followers()
+            raise SystemExit(1)
         if self.runner.pool.is_deleted() or self.runner.last.is_deleted():
             log.error("the page pool was lost with the failed step: the prefix cache starts empty")
             self.runner.pool = self.runner.allocate_pool()
@@ -509,11 +517,11 @@ class StepEngine(EngineBase):
 MAX_POOL_WORDS = MAX_TRITON_ELEMENTS
 
 
-def _default_pages(lay: PoolLayout, max_running: int, per_request: int) -> int:
+def _default_pages(lay: PoolLayout, max_running: int, per_request: int, reserved: int = 0) -> int:
     stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
         # 30%: a prefill bucket's compiled step held up to two copies of the pool as temporaries
         # on the GPU (H100, 2026-12-06: pool 3.7 GiB, temporaries 7.3 GiB), plus its activations
-        pages = lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0), fraction=0.3)
+        pages = lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved, fraction=0.3)
         return min(pages, MAX_POOL_WORDS // lay.page_words)
     return max_running * per_request

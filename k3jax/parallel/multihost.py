@@ -12,6 +12,8 @@ the tests do); on GPU, NCCL; on TPU, ICI.
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 from jax._src import distributed  # the key-value store of jax.distributed's client (no public handle)
@@ -33,12 +35,12 @@ def is_lead() -> bool:
     return jax.process_index() == 0
 
 
-def broadcast_from_first(tree):
-    """Process 0's ``tree`` of host arrays on every process (each passes one of the same shapes
-    and dtypes; a collective, so every process calls it at the same point). One process: ``tree``."""
+def min_over_processes(n: int) -> int:
+    """The least of every process's ``n`` (a collective: every process calls it at the same
+    point). One process: ``n``."""
     if jax.process_count() == 1:
-        return tree
-    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
+        return n
+    return int(np.min(multihost_utils.process_allgather(np.int64(n))))
 
 
 class StepChannel:
@@ -54,16 +56,18 @@ class StepChannel:
         if self.client is None:
             raise RuntimeError("StepChannel needs jax.distributed (k3jax.parallel.multihost.initialize)")
         self.name, self.n = name, 0
+        self._lock = threading.Lock()  # the engine loop's steps and the server's stop come from two threads
 
     def send(self, key, ints: np.ndarray | None = None, floats: np.ndarray | None = None):
         """Process 0: the next step (``key`` ``(-1, 0, 0)``: stop)."""
         ints = np.zeros(0, np.int32) if ints is None else np.ascontiguousarray(ints, np.int32)
         floats = np.zeros(0, np.float32) if floats is None else np.ascontiguousarray(floats, np.float32)
         head = np.array([*key, ints.size, floats.size], np.int32)
-        self.client.key_value_set_bytes(f"{self.name}/{self.n}", head.tobytes() + ints.tobytes() + floats.tobytes())
-        if self.n >= self.KEEP:
-            self.client.key_value_delete(f"{self.name}/{self.n - self.KEEP}")
-        self.n += 1
+        with self._lock:
+            self.client.key_value_set_bytes(f"{self.name}/{self.n}", head.tobytes() + ints.tobytes() + floats.tobytes())
+            if self.n >= self.KEEP:
+                self.client.key_value_delete(f"{self.name}/{self.n - self.KEEP}")
+            self.n += 1
 
     def receive(self):
         """Another process: the next step ``(key, ints, floats)`` (flat arrays), or None at the stop."""

@@ -207,17 +207,29 @@ def allocate_pool(lay_local: PoolLayout, num_pages: int, plan: MeshPlan) -> jax.
 def shard_step(plan: MeshPlan, specs, body, num_batch: int, num_more: int = 0):
     """``body(params, pool, *args) -> (out, pool, *more)``, one device's step, as a function of
     the mesh-placed params, the pool (:func:`allocate_pool`) and ``num_batch`` batch arguments;
-    ``out`` and the ``num_more`` others come back the same way. Batch arguments and results are
+    the ``num_more`` others come back the same way. Batch arguments and those results are
     replicated (the step's sums and gathers make every device's equal), or with a ``data`` axis
-    stacked ``[dp, ...]``, one per data shard."""
+    stacked ``[dp, ...]``, one per data shard. ``out`` comes back replicated (stacked ``[dp, ...]``
+    with a ``data`` axis: gathered, so that any process can read every shard's, as process 0 of
+    several must)."""
     dp = plan.data is not None
     unstack = lambda tree: jax.tree.map(lambda x: x[0], tree) if dp else tree
     stack = lambda tree: jax.tree.map(lambda x: x[None], tree) if dp else tree
 
     def local(params, pool, *args):
         out, pool, *more = body(params, pool[0, 0] if dp else pool[0], *unstack(args))
-        return (stack(out), pool[None, None] if dp else pool[None], *stack(more))
+        if dp:
+            out = jax.tree.map(lambda x: jax.lax.all_gather(x, DATA), out)
+        return (out, pool[None, None] if dp else pool[None], *stack(more))
 
     batch = P(DATA) if dp else P()
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, plan.pool_spec, *([batch] * num_batch)),
-                         out_specs=(batch, plan.pool_spec, *([batch] * num_more)), check_vma=False)
+                         out_specs=(P(), plan.pool_spec, *([batch] * num_more)), check_vma=False)
+
+
+def device_param_bytes(params, specs, mesh: Mesh) -> int:
+    """The bytes of ``params`` one device holds when they are placed by ``specs`` on ``mesh``."""
+    def one(x, spec):
+        axes = [a for d in spec if d is not None for a in (d if isinstance(d, tuple) else (d,))]
+        return x.size * x.dtype.itemsize // math.prod(mesh.shape[a] for a in axes)
+    return sum(jax.tree.leaves(jax.tree.map(one, params, specs)))

@@ -87,12 +87,13 @@ def test_meshes_the_model_does_not_split_over_are_refused():
 def test_data_axis_gathers_tokens_and_no_weights():
     """The compiled decode step on (data 2, tensor 2): the MoE all-gathers the data shards'
     tokens (activations ``[2 T, ...]``) and reduce-scatters their sums back; the only other
-    gather is the logits'. No weight is gathered."""
+    gathers are the logits' (over ``tensor``) and the step's outputs ``[2, R, ...]`` (over
+    ``data``, so that any process reads every shard's). No weight is gathered."""
     cfg, params = _tiny()
     runner = ShardedRunner(cfg, params, jnp.float32, step_mesh(2, data=2))
     assert runner.pool.shape[:2] == (2, 2)
-    T = 4
-    batch = pack_batch(runner.lay, [], [], num_pages=runner.N, **dict(BUCKET, num_tokens=T, num_rows=4))
+    T = R = 4
+    batch = pack_batch(runner.lay, [], [], num_pages=runner.N, **dict(BUCKET, num_tokens=T, num_rows=R))
     stacked = jax.tree.map(lambda x: jnp.stack([x, x]), batch)  # one batch per data shard
     hlo = runner._step.lower(runner.params, runner.pool, stacked).compile().as_text()
     ops = re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(", hlo)
@@ -101,4 +102,5 @@ def test_data_axis_gathers_tokens_and_no_weights():
     gathers = [shape for shape, k in ops if k == "all-gather"]
     tokens = rf"\w+\[{2 * T}(,\d+)*\]"  # a [2 T, ...] activation, routing weights or expert ids
     logits = rf"f32\[\d+,{cfg.vocab_size}\]"
-    assert gathers and all(re.fullmatch(rf"({tokens}|{logits})(\{{.*\}})?", s) for s in gathers), gathers
+    outputs = rf"\w+\[2,{R}(,\d+)?\]"
+    assert gathers and all(re.fullmatch(rf"({tokens}|{logits}|{outputs})(\{{.*\}})?", s) for s in gathers), gathers

@@ -1,6 +1,7 @@
 """The step engine over two processes (jax.distributed on loopback, gloo collectives): one
-``k3jax-serve`` per process, two fake CPU devices each, one tensor 2 x expert 2 mesh over the four;
-process 0 serves HTTP and sends each step to process 1."""
+``k3jax-serve`` per process, two fake CPU devices each, one data 2 x tensor 2 mesh over the four
+(so each process holds one data shard's lane, whose results process 0 reads); process 0 serves
+HTTP and sends each step to process 1."""
 
 import json
 import os
@@ -54,7 +55,7 @@ def test_two_processes_serve_a_request_and_stop_together(tmp_path):
     coordinator, port = _free_port(), _free_port()
     flags = ["--engine", "step", "--dtype", "float32", "--max-slots", "2", "--max-len", "64", "--prefill-chunk", "32",
              "--max-prefill-rows", "1", "--decode-buckets", "2", "--prefill-buckets", "32", "--tensor-parallel", "2",
-             "--expert-parallel", "2", "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+             "--data-parallel", "2", "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
              "--port", str(port)]
     procs, logs = [], []
     for i in (0, 1):
@@ -65,12 +66,13 @@ def test_two_processes_serve_a_request_and_stop_together(tmp_path):
                                       env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     try:
         _wait_healthy(port, procs)
-        body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}).encode()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": 2}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())
-        assert out["choices"][0]["token_ids"] == _greedy_reference()
+        want = _greedy_reference()  # both choices, one in each lane (process 1's devices hold lane 1)
+        assert [c["token_ids"] for c in out["choices"]] == [want, want]
         procs[0].terminate()  # SIGTERM: process 0 shuts down and stops process 1's step loop
         assert [p.wait(timeout=60) for p in procs] == [0, 0]
         assert b"process 0 stopped serving" in (tmp_path / "process1.log").read_bytes()

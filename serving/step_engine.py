@@ -30,7 +30,7 @@ from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_b
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
-from serving.prefix_cache import CacheConfig, PrefixCache
+from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
 from serving.scheduler import Request, Scheduler, StepPlan
 
 log = logging.getLogger("k3jax.step_engine")
@@ -401,12 +401,25 @@ class StepEngine(EngineBase):
         seed = int(self._rng.integers(2**32)) if sp.seed is None else int(sp.seed) % 2**32
         with self._lock:  # against fail_running: a request is tracked and queued, or neither
             self.metrics["requests"] += 1
-            # the lane with the fewest requests (its prefix cache may hold less of this prompt)
-            lane = min(range(len(self.scheds)), key=lambda i: len(self.scheds[i].running) + len(self.scheds[i].waiting))
+            lane = self._pick_lane(prompt)
             req = self._track(self.scheds[lane].new_request(prompt, sp, seed, on_token))
             req.lane = lane
             self.scheds[lane].add(req)
         return req
+
+    def _pick_lane(self, prompt: list[int]) -> int:
+        """Of the lanes not busier than the least busy by more than a batch, the one whose prefix
+        cache holds the most of ``prompt``, then the least busy."""
+        n = len(self.scheds)
+        if n == 1:
+            return 0
+        busy = [len(s.running) + len(s.waiting) for s in self.scheds]
+        hit = [0] * n
+        hashes = chain_hashes(prompt[:-1], self.hash_tokens) if self.hash_tokens else []
+        if hashes:
+            hit = [s.cache.lookup(hashes).tokens for s in self.scheds]
+        open_lanes = [i for i in range(n) if busy[i] <= min(busy) + self._sched_args["max_decode"]]
+        return min(open_lanes, key=lambda i: (-hit[i], busy[i], i))
 
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.scheds) or self._inflight is not None

@@ -398,4 +398,9 @@ def test_engine_with_a_data_axis_gives_the_reference_tokens(greedy_reference):
     assert [r.result.token_ids for r in reqs] == greedy_reference
     again = _run(e, PROMPTS)
     assert [t for t, _ in again] == greedy_reference and again[0][1] == 80
+    # alone, the second prompt goes to the lane that cached it (lane 1), not the least busy (a tie: lane 0)
+    r = e.submit(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS))
+    while e.has_work():
+        e.step()
+    assert r.lane == 1 and r.result.token_ids == greedy_reference[1] and r.result.num_cached_tokens == 16
     assert e.runner.compiles_while_serving == 0 and e.stats()["running"] == 0 and e.metrics["accepted_drafts"] > 0

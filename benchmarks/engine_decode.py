@@ -7,7 +7,8 @@ decode are timed (``StepEngine.step``: plan, pack, dispatch, read back, emit; as
 The bare step is the engine's own compiled decode bucket called back to back on one packed batch
 of ``B`` rows at the same context (no scheduler, no packing, no read-back but the last).
 
-Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_decode`` (writes ``$OUT/engine_decode.json``).
+Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_decode`` (writes ``$OUT/engine_decode.json``);
+on several GPUs (issue 55) ``--tensor 2`` or ``--expert 2`` beside a run without, for tokens/s per GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, sliced_con
 from k3jax.model import init_params
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
 from serving.engine import SamplingParams
-from serving.step_engine import StepEngine, _fed_step
+from k3jax.parallel.sharded_step import step_mesh
+from serving.step_engine import StepEngine
 
 
 def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0) -> float:
@@ -62,13 +64,12 @@ def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> floa
             for i in range(B)]
     batch = pack_batch(r.lay, rows, [], num_decode=nd, num_tokens=nd, num_rows=nd, max_blocks=r.max_blocks,
                        num_pages=r.num_pages, to_device=False)
-    ints, floats = jax.device_put(flatten_batch(batch))
+    ints, floats = r.place(flatten_batch(batch))
     state = {"pool": r.pool, "last": r.last}
 
     def run():
-        out, state["pool"], state["last"] = _fed_step(r.cfg, r.lay, r.kernels, nd, r.params, state["pool"],
-                                                      state["last"], ints, floats, shapes=batch_shapes(batch),
-                                                      window=1, num_logprobs=r.num_logprobs)
+        out, state["pool"], state["last"] = r._step(nd, r.params, state["pool"], state["last"], ints, floats,
+                                                    shapes=batch_shapes(batch), window=1, num_logprobs=r.num_logprobs)
         return out.tokens
 
     jax.block_until_ready(run())
@@ -89,11 +90,16 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--budget", type=int, default=4096, help="token budget per step")
     ap.add_argument("--pages-per-row", type=int, default=4, help="pool pages per batch row (the bare step takes half)")
+    ap.add_argument("--tensor", type=int, default=1, help="a mesh's tensor axis (issue 55's TP runs; 1 and --expert 1: "
+                                                          "one device)")
+    ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis")
     a = ap.parse_args()
+    mesh = step_mesh(a.tensor, a.expert) if a.tensor * a.expert > 1 else None
+    devices = 1 if mesh is None else mesh.size
     cfg = sliced_config(a.config, a.layers)
     params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
-            "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps}
+            "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor, "expert": a.expert}
     bandwidth = copy_bandwidth()
     rows = []
     for B in map(int, a.batches.split(",")):
@@ -101,16 +107,18 @@ def main():
         t0 = time.perf_counter()
         engine = StepEngine((cfg, params), max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
                             prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),
-                            num_pages=a.pages_per_row * B + 64)
+                            num_pages=a.pages_per_row * B + 64, mesh=mesh)
         engine.warmup()
         startup = time.perf_counter() - t0
         eng = engine_decode_ms(engine, B, a.prompt, a.steps)
         bare = bare_decode_ms(engine, B, a.prompt + a.steps, a.steps)
         r = engine.runner
-        floor = decode_floor_bytes(cfg, r.params, r.lay, B, a.prompt + a.steps) / bandwidth * 1e3
+        # one device's floor (on a mesh the bytes split unevenly: replicated latents, router)
+        floor = decode_floor_bytes(cfg, r.params, r.lay, B, a.prompt + a.steps) / bandwidth * 1e3 if mesh is None else None
         rows.append({**base, "batch": B, "engine_step_ms": eng, "bare_step_ms": bare, "ratio": bare / eng,
-                     "floor_ms": floor, "engine_of_floor": floor / eng, "copy_GB_s": bandwidth / 1e9,
-                     "engine_tokens_per_s": B / eng * 1e3, "startup_s": startup,
+                     "floor_ms": floor, "engine_of_floor": floor and floor / eng, "copy_GB_s": bandwidth / 1e9,
+                     "engine_tokens_per_s": B / eng * 1e3, "tokens_per_s_per_device": B / eng * 1e3 / devices,
+                     "startup_s": startup,
                      "compiles_while_serving": engine.runner.compiles_while_serving})
         print(json.dumps(rows[-1]), flush=True)
         del engine

@@ -185,14 +185,18 @@ class Runner:
                 self.channel.send((nd, tp, w), *(x.ravel() for x in flat))
         else:
             flat = tuple(x.reshape(self.lanes, -1) for x in received) if self._stacked else received
-        if self.plan is None:
-            ints, floats = jax.device_put(flat)
-        else:
-            ints, floats = (put_global(x, self._batch_sharding) for x in flat)
+        ints, floats = self.place(flat)
         out, self.pool, self.last = self._step(nd, self.params, self.pool, self.last, ints, floats,
                                                shapes=batch_shapes(batches[0]), window=w,
                                                num_logprobs=self.num_logprobs)
         return out
+
+    def place(self, flat):
+        """A flattened batch (:func:`k3jax.model.step.flatten_batch`; stacked per lane over a
+        ``data`` axis) on the devices, as the step takes it."""
+        if self.plan is None:
+            return jax.device_put(flat)
+        return tuple(put_global(x, self._batch_sharding) for x in flat)
 
     def warmup(self):
         """Compile every bucket on all-padding batches (they write nothing), with a progress line each."""

@@ -425,10 +425,11 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     outs = []
     if paged:  # each decode token over its own pages
         tables = batch.block_tables[jnp.minimum(rows.row[:nt], R - 1)]
+        # a padding decode row (no pages) reads nothing: its length is 0, not its one position
+        # (page -1 read out of the pool: the illegal address on a GPU pool of 2^31 words)
+        lengths = jnp.where(rows.live[:nt] & (tables[:, 0] >= 0), rows.pos[:nt] + 1, 0)
         o = kernels.mla_decode(q_lat[:nt].astype(lay.latent_dtype), q_rope[:nt].astype(lay.latent_dtype),
-                               latent_words(lay, pool), tables,
-                               jnp.where(rows.live[:nt], rows.pos[:nt] + 1, 0), li, page_tokens=lay.page_tokens,
-                               scale=scale)
+                               latent_words(lay, pool), tables, lengths, li, page_tokens=lay.page_tokens, scale=scale)
         outs.append(mm("thl,hvl->thv", o, p["w_uv"]))
     elif nd:  # each decode row's window of W queries over its own latents, gathered: [nd, S, L + R]
         ctx = read_latents(lay, pool, li, batch.block_tables[:nd], S, ends[:nd])

@@ -43,7 +43,7 @@ def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l
     def body(it, carry):
         m, l, acc = carry
         t0 = lo + it * tile
-        page = bt_ref[q, t0 // page_tokens]
+        page = jnp.clip(bt_ref[q, t0 // page_tokens], 0, lat_ref.shape[0] - 1)  # a bad table reads in the pool
         rows, Lw = pl.ds(base + t0 % page_tokens, tile), L // parts
         kl = unpack(lat_ref[page, rows, pl.ds(0, Lw)], dtype)  # parts of [tile, L / parts]
         kr = unpack(lat_ref[page, rows, pl.ds(Lw, lat_ref.shape[2] - Lw)], dtype)  # parts of [tile, R / parts]

@@ -384,3 +384,22 @@ def test_windows_read_only_what_they_wrote():
     n = 1 + int(np.asarray(out.accepted)[0])
     lg, _ = runner.run([Row([7], 20 + n, [1, 2], slot=0), Row([7], 13, [3], slot=4)], [])
     assert np.all(np.isfinite(lg))
+
+
+def test_padding_decode_rows_give_the_paged_kernel_no_context():
+    """The paged MLA kernel sees length 0 for a decode row with no pages (a bucket's padding): a
+    length of 1 had it read page -1, out of the pool (a CUDA illegal address on a large pool)."""
+    seen = []
+
+    def spy(q_lat, q_rope, latents, tables, lengths, layer, **kw):
+        jax.debug.callback(lambda t, n: seen.append((np.asarray(t), np.asarray(n))), tables, lengths)
+        return paged_mla_decode(q_lat, q_rope, latents, tables, lengths, layer, tile=16, interpret=True, **kw)
+
+    cfg, params = _tiny()
+    runner = Runner(cfg, params, jnp.float32, kernels=StepKernels(mla_decode=spy))
+    seq = _seqs(cfg, [20])[0]
+    runner.run([], [Row(seq[:19], 0, [0, 1], slot=10)])
+    runner.run([Row(seq[19:20], 19, [0, 1], slot=10)], [])  # one decode row of the bucket's four
+    tables, lengths = seen[-1]
+    assert (tables[:, 0] < 0).sum() == 3 and lengths[tables[:, 0] < 0].tolist() == [0, 0, 0]
+    assert lengths[0] == 20

@@ -265,9 +265,10 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     :func:`serving.engine.default_kernels`); the XLA paths elsewhere and for decode.
 
     The Pallas decode kernels on pages (``paged_mla_decode``, ``kda_decode_pages``) are opt-in
-    (``StepKernels(mla_decode=..., kda_decode=...)``): on the H100 on 2026-12-06 the step engine's
-    warm-up with both hit a CUDA illegal address in its first decode bucket (all padding rows),
-    a failure their compiled kernel tests (small pools) do not show; not yet found."""
+    (``StepKernels(mla_decode=..., kda_decode=...)``): on the H100 on 2026-12-06/07 the step
+    engine's warm-up with the MLA one on its default pool hit a CUDA illegal address in its first
+    decode bucket (all padding rows). The likely cause, padding rows reading page -1, is fixed
+    (38a9a4c) but not yet confirmed on a GPU."""
     return StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
 
 

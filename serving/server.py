@@ -829,7 +829,8 @@ def parser() -> argparse.ArgumentParser:
                     help="step engine: a second mesh axis the routed experts split over (with --tensor-parallel's)")
     ap.add_argument("--data-parallel", type=int, default=1,
                     help="step engine: data shards (a third mesh axis), each with its own batch, pages, prefix cache "
-                         "and scheduler (--max-slots each; a request goes to the least busy); the routed experts split "
+                         "and scheduler (--max-slots each; a request goes to the lane caching most of its prompt, then the "
+                         "least busy); the routed experts split "
                          "over all three axes")
     ap.add_argument("--coordinator", default=None,
                     help="step engine on several hosts: process 0's host:port for jax.distributed (one k3jax-serve "

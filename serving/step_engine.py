@@ -298,8 +298,8 @@ class StepEngine(EngineBase):
         goes on), and a window never reaches a hash boundary (the checkpoint is written there).
         spec_backoff: after ``m`` windows in a row with no draft accepted, a request drafts again
         only after ``min(2^(m-1), spec_backoff)`` plain steps.
-      mesh: a ``jax.sharding.Mesh`` with a ``tensor`` axis (and optionally ``expert``) to run the
-        step over (:mod:`k3jax.parallel.sharded_step`); None: one device. With a ``data`` axis
+      mesh: a ``jax.sharding.Mesh`` with a ``tensor`` axis (optionally ``data`` and ``expert``) to
+        run the step over (:mod:`k3jax.parallel.sharded_step`); None: one device. With a ``data`` axis
         each data shard is a lane with its own scheduler, pool and prefix cache (``max_running``
         each). After :func:`k3jax.parallel.multihost.initialize` the mesh spans every process's
         devices: process 0's engine serves, the others build the same engine and call

@@ -7,8 +7,8 @@ A mesh with a ``tensor`` axis (and optionally an ``expert`` axis) splits the ste
   the dense and shared-expert widths, and the LM head's vocabulary (unless it is the tied
   embedding). Each device's attention and dense outputs are partial sums, added by one
   all-reduce per sublayer; the logits of the sampled rows are all-gathered.
-- over ``tensor`` and ``expert`` (and ``data``) together: the routed experts. Every device routes every token
-  (the router is replicated), multiplies only the tokens routed to its own experts (one grouped
+- over all the mesh's axes together: the routed experts. Every device routes every token (the
+  router is replicated), multiplies only the tokens routed to its own experts (one grouped
   matmul, no expert weight moves), and the routed sums are all-reduced.
 
 Each device runs :func:`k3jax.model.step.model_step` on its part with a config that counts its
@@ -212,17 +212,18 @@ def shard_step(plan: MeshPlan, specs, body, num_batch: int, num_more: int = 0):
     stacked ``[dp, ...]``, one per data shard. ``out`` comes back replicated (stacked ``[dp, ...]``
     with a ``data`` axis: gathered, so that any process can read every shard's, as process 0 of
     several must)."""
-    dp = plan.data is not None
-    unstack = lambda tree: jax.tree.map(lambda x: x[0], tree) if dp else tree
-    stack = lambda tree: jax.tree.map(lambda x: x[None], tree) if dp else tree
+    stacked = plan.data is not None
+    unstack = lambda tree: jax.tree.map(lambda x: x[0], tree) if stacked else tree
+    stack = lambda tree: jax.tree.map(lambda x: x[None], tree) if stacked else tree
+    lead = len(plan.pool_lead)  # the pool's per-device dimensions, each of size 1 on a device
 
     def local(params, pool, *args):
-        out, pool, *more = body(params, pool[0, 0] if dp else pool[0], *unstack(args))
-        if dp:
+        out, pool, *more = body(params, pool[(0,) * lead], *unstack(args))
+        if stacked:
             out = jax.tree.map(lambda x: jax.lax.all_gather(x, DATA), out)
-        return (out, pool[None, None] if dp else pool[None], *stack(more))
+        return (out, pool[(None,) * lead], *stack(more))
 
-    batch = P(DATA) if dp else P()
+    batch = P(DATA) if stacked else P()
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, plan.pool_spec, *([batch] * num_batch)),
                          out_specs=(P(), plan.pool_spec, *([batch] * num_more)), check_vma=False)
 

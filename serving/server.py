@@ -832,6 +832,10 @@ def parser() -> argparse.ArgumentParser:
                          "and scheduler (--max-slots each; a request goes to the lane caching most of its prompt, then the "
                          "least busy); the routed experts split "
                          "over all three axes")
+    ap.add_argument("--context-parallel-from", type=int, default=None,
+                    help="step engine with --expert-parallel (no --data-parallel): steps with at least this many "
+                         "prefill tokens split them over the expert axis (KCP), where attention is otherwise "
+                         "replicated")
     ap.add_argument("--coordinator", default=None,
                     help="step engine on several hosts: process 0's host:port for jax.distributed (one k3jax-serve "
                          "per host, the same flags on each; process 0 serves HTTP, the others run its steps)")
@@ -851,9 +855,11 @@ def make_engine(a: argparse.Namespace):
                           token_budget=a.prefill_chunk, max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
                           decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,
                           speculative=a.speculative, spec_backoff=a.spec_backoff,
-                          mesh=step_mesh(a.tensor_parallel, a.expert_parallel, data=a.data_parallel) if sharded else None)
-    if sharded:
-        raise ValueError("--data-parallel, --tensor-parallel and --expert-parallel need --engine step")
+                          mesh=step_mesh(a.tensor_parallel, a.expert_parallel, data=a.data_parallel) if sharded else None,
+                          context_parallel_from=a.context_parallel_from)
+    if sharded or a.context_parallel_from is not None:
+        raise ValueError("--data-parallel, --tensor-parallel, --expert-parallel and --context-parallel-from need "
+                         "--engine step")
     return Engine(a.model, max_slots=a.max_slots, max_len=a.max_len, prefill_chunk=a.prefill_chunk,
                   prefix_cache=not a.no_prefix_cache, speculative=a.speculative, spec_backoff=a.spec_backoff)
 

@@ -100,13 +100,14 @@ def sharded_fed_step(cfg: ModelConfig, lay_l: PoolLayout, kernels: StepKernels, 
     """:func:`fed_step` over ``plan``'s mesh (:mod:`k3jax.parallel.sharded_step`), jitted, with
     ``_fed_step``'s signature less its first three arguments: ``cfg`` the global config (each
     device sees its part), ``lay_l`` a device's page layout, params placed by ``specs``, the pool
-    ``[tp, N, words]``."""
+    ``[tp, N, words]``; and ``context``: split the prefill tokens over the mesh's expert axis
+    (:meth:`k3jax.parallel.sharded_step.MeshPlan.context_parallel`)."""
     cfg_l = local_config(cfg, plan)
 
-    @partial(jax.jit, static_argnums=0, donate_argnums=(2, 3), **_STATIC)
-    def step(num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs):
+    @partial(jax.jit, static_argnums=0, donate_argnums=(2, 3), static_argnames=(*_STATIC["static_argnames"], "context"))
+    def step(num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs, context=False):
         body = partial(fed_step, cfg_l, lay_l, kernels, num_decode, shapes=shapes, window=window,
-                       num_logprobs=num_logprobs, par=plan.parallel)
+                       num_logprobs=num_logprobs, par=plan.context_parallel() if context else plan.parallel)
         return shard_step(plan, specs, body, num_batch=3, num_more=1)(params, pool, last, ints, floats)
 
     return step
@@ -116,17 +117,27 @@ class Runner:
     """Device side: params, the page pool ``u32[num_pages, page_words]`` and one compiled step per
     (decode rows, prefill tokens) bucket. ``dispatch`` packs a plan into its bucket and starts
     the step (pool donated); ``fetch`` waits for it and returns the sampled ``int32`` token of
-    every planned row."""
+    every planned row. ``context_from``: prefill buckets of at least this many tokens split them
+    over ``plan``'s expert axis (KCP; see :meth:`k3jax.parallel.sharded_step.MeshPlan.context_parallel`)."""
 
     def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
                  decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int,
-                 num_logprobs: int = MAX_LOGPROBS, speculative: int = 0, plan: MeshPlan | None = None):
+                 num_logprobs: int = MAX_LOGPROBS, speculative: int = 0, plan: MeshPlan | None = None,
+                 context_from: int | None = None):
         self.cfg, self.params, self.lay, self.kernels, self.plan = cfg, params, lay, kernels, plan
         self.num_logprobs = num_logprobs
         self.num_pages, self.max_blocks, self.max_prefill_rows = num_pages, max_blocks, max_prefill_rows
         self.decode_buckets, self.prefill_buckets = tuple(sorted(decode_buckets)), tuple(sorted(prefill_buckets))
         if not self.decode_buckets or not self.prefill_buckets:
             raise ValueError("decode_buckets and prefill_buckets must not be empty")
+        self.context_from = context_from
+        if context_from is not None:
+            if plan is None:
+                raise ValueError("context parallelism needs a mesh")
+            P = plan.mesh.shape[plan.context_parallel().context]
+            if any(b % P for b in self.prefill_buckets if b >= context_from):
+                raise ValueError(f"prefill buckets from {context_from} tokens must split over the {P} devices of "
+                                 f"the expert axis, got {self.prefill_buckets}")
         self.device_lay = lay if plan is None else local_layout(cfg, lay, plan)  # one device's pages
         if plan is None:
             self._step = partial(_fed_step, cfg, lay, kernels)
@@ -186,9 +197,10 @@ class Runner:
         else:
             flat = tuple(x.reshape(self.lanes, -1) for x in received) if self._stacked else received
         ints, floats = self.place(flat)
+        kw = {} if self.context_from is None else dict(context=tp >= self.context_from)
         out, self.pool, self.last = self._step(nd, self.params, self.pool, self.last, ints, floats,
                                                shapes=batch_shapes(batches[0]), window=w,
-                                               num_logprobs=self.num_logprobs)
+                                               num_logprobs=self.num_logprobs, **kw)
         return out
 
     def place(self, flat):
@@ -304,6 +316,10 @@ class StepEngine(EngineBase):
         each). After :func:`k3jax.parallel.multihost.initialize` the mesh spans every process's
         devices: process 0's engine serves, the others build the same engine and call
         ``engine.runner.follow()``; process 0 ends them with ``engine.runner.stop_followers()``.
+      context_parallel_from: on a mesh with an ``expert`` axis (and no ``data`` axis), steps whose
+        prefill bucket has at least this many tokens split them over that axis (KCP: the KDA
+        layers by :func:`k3jax.parallel.kcp.chunk_kda_on_shard`, the MLA layers from every
+        device's latents), where the attention otherwise runs whole on every device; None: off.
     """
 
     def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
@@ -312,7 +328,7 @@ class StepEngine(EngineBase):
                  page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
                  kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE,
                  async_dispatch: bool = True, scan_layers: bool = True, speculative: int = 0, drafter=None,
-                 spec_backoff: int = 16, params=None, mesh=None):
+                 spec_backoff: int = 16, params=None, mesh=None, context_parallel_from: int | None = None):
         if compile_cache:
             use_compile_cache(compile_cache)
         # On a mesh the weights are loaded and prepared in host memory, then placed shard by shard
@@ -364,7 +380,7 @@ class StepEngine(EngineBase):
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
                              prefill_buckets=prefill_buckets,
                              max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative,
-                             plan=plan)
+                             plan=plan, context_from=context_parallel_from)
         if speculative < 0:
             raise ValueError(f"speculative must be >= 0, got {speculative}")
         self._sched_args = dict(token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,

@@ -40,6 +40,7 @@ from k3jax.model.pool import (PoolLayout, copy_pages, from_state_view, latent_wo
                               read_latent_tile, read_latents, state_row, state_view, token_pages, write_conv, write_kda,
                               write_latents)
 from k3jax.ops.conv import short_conv, short_conv_step
+from k3jax.parallel.kcp import chunk_kda_on_shard, short_conv_on_shard
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
 
 f32 = jnp.float32
@@ -109,11 +110,20 @@ class Parallel(NamedTuple):
     ``data``: an axis (the first of ``experts``) over which each device has its own batch and
     pages: the MoE gathers every data shard's tokens, multiplies those routed to its experts,
     and sums each token's result back to its shard (all-gather + local grouped matmul +
-    reduce-scatter)."""
+    reduce-scatter).
+
+    ``context``: an axis (one of ``experts``, over which the attention is replicated) over which
+    the step's prefill tokens split (context parallelism): each device runs every decode token
+    and a contiguous ``1 / P`` of the prefill tokens, the KDA layers by KCP (each prefill row's
+    state carried across devices by :func:`k3jax.parallel.kcp.chunk_kda_on_shard`), the MLA
+    layers by an all-gather of the prefill tokens' latents (every device writes every latent;
+    its queries read them from the pages), the MoE by an all-gather of its prefill tokens and a
+    reduce-scatter of their sums."""
 
     tensor: str | None = None
     experts: tuple[str, ...] = ()
     data: str | None = None
+    context: str | None = None
 
 
 def _psum(x, axes):
@@ -256,6 +266,8 @@ class _Rows(NamedTuple):
     row: jax.Array  # i32[T] row of each token (R for padding tokens)
     pos: jax.Array  # i32[T] position of each token in its sequence
     live: jax.Array  # bool[T]
+    context: str | None = None  # the axis the prefill tokens split over (see Parallel)
+    every: "_Rows | None" = None  # with ``context``: the rows of every device's tokens (these are its own)
 
     @property
     def nt(self) -> int:
@@ -274,6 +286,27 @@ def _rows(batch: StepBatch, nd: int, W: int = 1) -> _Rows:
     if W > 1:  # a window's padding past its drafts writes nothing
         live = live & ((t >= nd * W) | (t - batch.cu_seqlens[rc] <= batch.draft[rc]))
     return _Rows(nd, W, row, pos, live)
+
+
+def _context_shard(rows: _Rows, T: int, axis: str) -> tuple[_Rows, jax.Array]:
+    """This device's part of a step whose prefill tokens split over ``axis`` (see
+    :class:`Parallel`): every decode token, then its contiguous ``1 / P`` of the prefill tokens.
+    Returns its rows and their tokens' indices in the batch."""
+    L, rem = divmod(T - rows.nt, jax.lax.axis_size(axis))
+    if rem:
+        raise ValueError(f"{T - rows.nt} prefill tokens do not split over the {jax.lax.axis_size(axis)} devices "
+                         f"of axis {axis!r}")
+    idx = jnp.concatenate([jnp.arange(rows.nt, dtype=i32), rows.nt + jax.lax.axis_index(axis) * L
+                           + jnp.arange(L, dtype=i32)])
+    return _Rows(rows.nd, rows.W, rows.row[idx], rows.pos[idx], rows.live[idx], axis, rows), idx
+
+
+def _spread(a, nt: int, axis: str | None):
+    """``a [nt + L, ...]``, a device's decode tokens then its prefill tokens, with every device's
+    prefill tokens: ``[nt + P L, ...]`` (``a`` itself without an axis)."""
+    if axis is None:
+        return a
+    return jnp.concatenate([a[:nt], jax.lax.all_gather(a[nt:], axis, axis=0, tiled=True)])
 
 
 def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li: int, batch: StepBatch,
@@ -312,12 +345,19 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         finals.append(s_d)
         convs.append(c_d)
     if T > nt:
-        cu = batch.cu_seqlens[nd:] - nt
-        y, c_p = short_conv(raw[None, nt:], p["conv"], activation="silu", initial_state=conv[nd - first:],
-                            cu_seqlens=cu)
+        cu = batch.cu_seqlens[nd:] - nt  # with rows.context: the prefill rows over every device's tokens
+        if rows.context:
+            y, c_p = short_conv_on_shard(raw[None, nt:], cu, conv[nd - first:], p["conv"], axis_name=rows.context)
+        else:
+            y, c_p = short_conv(raw[None, nt:], p["conv"], activation="silu", initial_state=conv[nd - first:],
+                                cu_seqlens=cu)
         q, k, v = (a.reshape(1, T - nt, HV, K) for a in jnp.split(y[0], 3, axis=-1))
-        o_p, s_p = kernels.chunk_kda(l2norm(q), l2norm(k), v, g[None, nt:], beta[None, nt:],
-                                     initial_state=state[nd - first:], cu_seqlens=cu)
+        args = (l2norm(q), l2norm(k), v, g[None, nt:], beta[None, nt:])
+        if rows.context:
+            o_p, s_p = chunk_kda_on_shard(*args, cu, state[nd - first:], axis_name=rows.context,
+                                          kernel=kernels.chunk_kda)
+        else:
+            o_p, s_p = kernels.chunk_kda(*args, initial_state=state[nd - first:], cu_seqlens=cu)
         outs.append(o_p[0])
         finals.append(s_p)
         convs.append(c_p)
@@ -412,8 +452,10 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     T = x.shape[0]
     nope, rope, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     q, latent = mla_inputs(cfg, p, x, linear)
-    page, off = token_pages(lay, batch.block_tables, jnp.minimum(rows.row, batch.start.shape[0] - 1), rows.pos)
-    pool = write_latents(lay, pool, li, jnp.where(rows.live, page, -1), off, latent)
+    every = rows.every or rows  # every device writes every token's latent (one device: its own)
+    latent = _spread(latent, rows.nt, rows.context)
+    page, off = token_pages(lay, batch.block_tables, jnp.minimum(every.row, batch.start.shape[0] - 1), every.pos)
+    pool = write_latents(lay, pool, li, jnp.where(every.live, page, -1), off, latent)
     q_lat, q_rope = mm("thn,hnl->thl", q[..., :nope], p["w_uk"]), q[..., nope:]
     S = batch.block_tables.shape[1] * lay.page_tokens
     nd, nt, R = rows.nd, rows.nt, batch.start.shape[0]
@@ -438,14 +480,17 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         vis = jnp.arange(S, dtype=i32)[None, None, :] <= win(rows.pos)[..., None]
         outs.append(jax.vmap(attend)(win(q_lat), win(q_rope), ctx, vis).reshape(nt, *q_lat.shape[1:2], -1))
     if T > nt:
-        def one_row(r):
-            return prefill_attention(lay, pool, li, q_lat[nt:], q_rope[nt:], rows.row[nt:] == r, rows.pos[nt:],
-                                     batch.block_tables[r], ends[r], scale=scale, tile=min(S, PREFILL_TILE))
+        def one_row(r, mine):  # the context its queries see: up to its last one here
+            end = jnp.minimum(ends[r], jnp.max(jnp.where(mine, rows.pos[nt:], -1)) + 1)
+            return prefill_attention(lay, pool, li, q_lat[nt:], q_rope[nt:], mine, rows.pos[nt:],
+                                     batch.block_tables[r], end, scale=scale, tile=min(S, PREFILL_TILE))
 
         # each token's row adds its output; a bucket's unused prefill rows (most steps have fewer
-        # than its rows) cost nothing
-        add_row = lambda r, o: jax.lax.cond(batch.cu_seqlens[r + 1] > batch.cu_seqlens[r],
-                                            lambda r: o + one_row(r), lambda r: o, r)
+        # than its rows) and, with rows.context, those with no token on this device cost nothing
+        def add_row(r, o):
+            mine = rows.row[nt:] == r
+            return jax.lax.cond(jnp.any(mine), lambda r: o + one_row(r, mine), lambda r: o, r)
+
         o = jax.lax.fori_loop(nd, R, add_row, jnp.zeros((T - nt, *q_lat.shape[1:]), f32))
         outs.append(mm("thl,hvl->thv", o, p["w_uv"]))
     o = (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).reshape(T, -1)
@@ -454,19 +499,23 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     return linear(o, p["o"]), pool
 
 
-def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()):
+def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel(), num_decode_tokens: int = 0):
     """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).
     Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
     their grouped matmul. Under ``par.experts`` the device holds experts ``[first, first + E)``
     of the router's: it multiplies only the tokens routed to them (the rest sort last, outside
     every group, and weigh 0), and the routed sums are added over those axes. Under
-    ``par.data`` that is done for the tokens of every data shard (see :class:`Parallel`)."""
+    ``par.data`` that is done for the tokens of every data shard (see :class:`Parallel`), and
+    under ``par.context`` for every device's prefill tokens (``x``: the device's
+    ``num_decode_tokens`` decode tokens, then its prefill tokens)."""
     I = cfg.moe_intermediate_size
     z = linear(x, p["latent_down"]) if cfg.latent_moe_size else x
     w, idx = route(cfg, p, x.astype(f32))
     if par.data:  # every data shard's tokens, routed where they are
         w, idx, z = (jax.lax.all_gather(a, par.data, axis=0, tiled=True) for a in (w, idx, z))
+    nt = num_decode_tokens
+    w, idx, z = (_spread(a, nt, par.context) for a in (w, idx, z))
     E = jax.tree.leaves(p["gate_up"])[0].shape[0]  # the experts on this device
     if par.experts:
         idx = idx - jax.lax.axis_index(par.experts) * E
@@ -489,7 +538,10 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
     if par.data:  # each shard's tokens back to it, summed over the data axis's experts
         y = jax.lax.psum_scatter(y, par.data, scatter_dimension=0, tiled=True)
-    y = _psum(y, tuple(a for a in par.experts if a != par.data))
+    if par.context:  # the decode tokens' sums everywhere, each device's prefill tokens' back to it
+        y = jnp.concatenate([jax.lax.psum(y[:nt], par.context),
+                             jax.lax.psum_scatter(y[nt:], par.context, scatter_dimension=0, tiled=True)])
+    y = _psum(y, tuple(a for a in par.experts if a not in (par.data, par.context)))
     return latent_moe_out(cfg, p, y, linear) + _psum(dense_mlp(cfg, p["shared"], x), par.tensor)
 
 
@@ -634,10 +686,16 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
     params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``. ``window``:
     tokens per decode row (1 + its most drafts; see :class:`StepBatch` and :class:`StepOutput`).
     ``par``: one device's part of a sharded step (see :class:`Parallel`)."""
-    rows = _rows(batch, num_decode, window)
+    if par.context and par.data:
+        raise ValueError("context parallelism over a mesh with a data axis is not supported")
+    rows = every = _rows(batch, num_decode, window)
+    tokens = batch.tokens
+    if par.context:
+        rows, idx = _context_shard(rows, tokens.shape[0], par.context)
+        tokens = tokens[idx]
     pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
     dt = params["embed"].dtype
-    trunk = StepTrunk.start(cfg, params["embed"][batch.tokens].astype(f32))
+    trunk = StepTrunk.start(cfg, params["embed"][tokens].astype(f32))
     index = [sum(t == kind for t in cfg.layer_types[:i]) for i, kind in enumerate(cfg.layer_types)]
     windows = []  # (KDA layer indices, their decode windows stacked over them)
 
@@ -655,7 +713,7 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         h, trunk = trunk.mlp_input(cfg, lp, _psum(h, par.tensor))
         h = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps).astype(dt)
         if cfg.mlp_types[i] == "moe":
-            mlp = moe(cfg, kernels, lp["mlp"], h, par)
+            mlp = moe(cfg, kernels, lp["mlp"], h, par, rows.nt)
         else:
             mlp = _psum(dense_mlp(cfg, lp["mlp"], h), par.tensor)
         return trunk._replace(x=trunk.x + mlp), pool, win
@@ -690,7 +748,7 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
     out = trunk.output(cfg, params)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     def logits_of(t):
-        logits = linear(rms_norm(out[t], params["norm"], cfg.rms_norm_eps), head)
+        logits = linear(rms_norm(_hidden(out, t, rows.nt, par.context), params["norm"], cfg.rms_norm_eps), head)
         vocab_split = par.tensor and not cfg.tie_word_embeddings  # a tied head is the (whole) embedding
         return jax.lax.all_gather(logits, par.tensor, axis=-1, tiled=True) if vocab_split else logits
 
@@ -704,7 +762,7 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         greedy = jnp.argmax(win_logits, -1).astype(i32).reshape(num_decode, window)
     else:
         logits = logits_of(last)
-    tokens, lp, top_ids, top_lp = sample(logits, batch, rows.pos[last] + 1, num_logprobs)
+    tokens, lp, top_ids, top_lp = sample(logits, batch, every.pos[last] + 1, num_logprobs)
     if greedy is not None:
         drafts = batch.tokens[:nt].reshape(num_decode, window)[:, 1:]
         ok = ((drafts == greedy[:, :-1]) & (jnp.arange(window - 1) < batch.draft[:num_decode, None])
@@ -713,6 +771,18 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         layers, wins = (jax.tree.map(lambda *a: jnp.concatenate(a), *x) for x in zip(*windows))
         pool = commit_windows(lay, pool, batch, num_decode, layers, wins, accepted + 1)
     return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits else None, accepted, greedy), pool
+
+
+def _hidden(out, t, nt: int, axis: str | None):
+    """The trunk's output at batch tokens ``t i32[n]`` (each a decode token, or a prefill token of
+    some device under ``axis``: summed over it from the device that has it)."""
+    if axis is None:
+        return out[t]
+    L = out.shape[0] - nt
+    j = t - nt - jax.lax.axis_index(axis) * L  # a prefill token's index among this device's
+    here = (t >= nt) & (j >= 0) & (j < L)
+    h = jax.lax.psum(jnp.where(here[:, None], out[nt + jnp.clip(j, 0, L - 1)], 0.0), axis)
+    return h if nt == 0 else jnp.where((t < nt)[:, None], out[jnp.minimum(t, nt - 1)], h)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("window", "num_logprobs", "return_logits"),

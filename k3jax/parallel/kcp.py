@@ -43,6 +43,41 @@ def _rank_geometry(cu, lo, L, N):
     return local_cu, c, crosses, owner
 
 
+def _state_entering(M, E, axis_name: str, fold_dtype):
+    """The state entering this rank, from every rank's constant-or-not map (one all-gather)."""
+    Ms, Es = jax.lax.all_gather((M.astype(fold_dtype), E.astype(fold_dtype)), axis_name)  # [P, ...]
+    _, E_incl = jax.lax.associative_scan(combine_segments, (Ms, Es), axis=0)
+    # Rank 0's map is constant, so the inclusive fold's E is the state leaving each rank.
+    return E_incl[jnp.maximum(jax.lax.axis_index(axis_name) - 1, 0)].astype(jnp.float32)
+
+
+def chunk_kda_on_shard(q, k, v, g, beta, cu, init, *, axis_name: str, scale=None, chunk_size: int = 64,
+                       kernel: Callable | None = None, fold_dtype=jnp.float32):
+    """KCP inside ``shard_map`` over ``axis_name``: this rank's contiguous piece ``q [1, L, H, K]``
+    (and so on) of one packed varlen row of ``L * P`` tokens, its sequences ``cu i32[n + 1]`` in
+    the row's (global) positions (tokens past ``cu[-1]`` are padding), ``init [n, HV, K, V]``
+    every sequence's initial state. Returns ``(o [1, L, HV, V], final f32[n, HV, K, V])``, the
+    final states the same on every rank. ``kernel``: as in :func:`chunk_kda_cp`."""
+    kernel = chunk_kda if kernel is None else kernel
+    n, L = cu.shape[0] - 1, q.shape[1]
+    r = jax.lax.axis_index(axis_name)
+    lo = r * L
+    local_cu, c, crosses, owner = _rank_geometry(cu, lo, L, n)
+    j = jnp.minimum(jnp.searchsorted(cu, lo + L - 1, side="right").astype(jnp.int32) - 1, n - 1)
+
+    def initial_states(M, E):  # M, E: every sequence's map over its tokens on this rank
+        # The shard's last sequence flows into the next rank; if it starts here its map is constant.
+        starts_here = cu[j] >= lo
+        E_j = jnp.where(starts_here, apply_segment((M[j], E[j]), init[j]), E[j])
+        s_in = _state_entering(jnp.where(starts_here, 0.0, M[j]), E_j, axis_name, fold_dtype)
+        return init.at[c].set(jnp.where(crosses, s_in, init[c]))
+
+    o, fin = kernel(q, k, v, g, beta, scale=scale, cu_seqlens=local_cu, chunk_size=chunk_size,
+                    initial_state_fn=initial_states)
+    fin = jax.lax.psum(jnp.where((owner == r)[:, None, None, None], fin, 0.0), axis_name)
+    return o, fin
+
+
 # One jitted program: outside jit, shard_map compiles each primitive on its own, and XLA:CPU
 # (jax 0.11.2) segfaults on a lone concatenate with a zero-size operand (associative_scan makes them).
 @partial(jax.jit, static_argnames=("mesh", "axis_name", "scale", "chunk_size", "kernel", "fold_dtype"))
@@ -83,36 +118,8 @@ def chunk_kda_cp(
     P = mesh.shape[axis_name]
     if T % P:
         raise ValueError(f"T={T} must be divisible by the {axis_name!r} axis size {P}")
-    L = T // P
     kernel = chunk_kda if kernel is None else kernel
     init = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-
-    def fold(M, E):
-        """The state entering this rank from every rank's constant-or-not map (one all-gather)."""
-        Ms, Es = jax.lax.all_gather((M.astype(fold_dtype), E.astype(fold_dtype)), axis_name)  # [P, ...]
-        _, E_incl = jax.lax.associative_scan(combine_segments, (Ms, Es), axis=0)
-        # Rank 0's map is constant, so the inclusive fold's E is the state leaving each rank.
-        return E_incl[jnp.maximum(jax.lax.axis_index(axis_name) - 1, 0)].astype(jnp.float32)
-
-    def shard_seq(q, k, v, g, beta, cu, init):
-        """One packed row on one rank: q [1, L, H, K], cu i32[n + 1] global, init [n, HV, K, V]."""
-        n = cu.shape[0] - 1
-        r = jax.lax.axis_index(axis_name)
-        lo = r * L
-        local_cu, c, crosses, owner = _rank_geometry(cu, lo, L, n)
-        j = jnp.minimum(jnp.searchsorted(cu, lo + L - 1, side="right").astype(jnp.int32) - 1, n - 1)
-
-        def initial_states(M, E):  # M, E: every sequence's map over its tokens on this rank
-            # The shard's last sequence flows into the next rank; if it starts here its map is constant.
-            starts_here = cu[j] >= lo
-            E_j = jnp.where(starts_here, apply_segment((M[j], E[j]), init[j]), E[j])
-            s_in = fold(jnp.where(starts_here, 0.0, M[j]), E_j)
-            return init.at[c].set(jnp.where(crosses, s_in, init[c]))
-
-        o, fin = kernel(q, k, v, g, beta, scale=scale, cu_seqlens=local_cu, chunk_size=chunk_size,
-                        initial_state_fn=initial_states)
-        fin = jax.lax.psum(jnp.where((owner == r)[:, None, None, None], fin, 0.0), axis_name)
-        return o, fin
 
     if cu_seqlens is None:
         # Every row is one sequence spanning all ranks: the rank's B row pieces run as one dense
@@ -122,7 +129,8 @@ def chunk_kda_cp(
             first = r == 0
 
             def initial_states(M, E):
-                s_in = fold(jnp.where(first, 0.0, M), jnp.where(first, apply_segment((M, E), init), E))
+                s_in = _state_entering(jnp.where(first, 0.0, M), jnp.where(first, apply_segment((M, E), init), E),
+                                       axis_name, fold_dtype)
                 return jnp.where(first, init, s_in)
 
             o, fin = kernel(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state_fn=initial_states)
@@ -132,7 +140,8 @@ def chunk_kda_cp(
         args = (q, k, v, g, beta, init)
         in_specs = (PartitionSpec(None, axis_name),) * 5 + (PartitionSpec(),)
     else:
-        shard_fn = shard_seq
+        shard_fn = partial(chunk_kda_on_shard, axis_name=axis_name, scale=scale, chunk_size=chunk_size, kernel=kernel,
+                           fold_dtype=fold_dtype)
         args = (q, k, v, g, beta, cu_seqlens.astype(jnp.int32), init)
         in_specs = (PartitionSpec(None, axis_name),) * 5 + (PartitionSpec(), PartitionSpec())
     f = jax.shard_map(shard_fn, mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(None, axis_name), PartitionSpec()),
@@ -140,41 +149,44 @@ def chunk_kda_cp(
     return f(*args)
 
 
+def short_conv_on_shard(x, cu, init, weight, *, axis_name: str, bias=None, activation="silu"):
+    """The short causal conv inside ``shard_map`` over ``axis_name``: this rank's contiguous piece
+    ``x [1, L, D]`` of one packed varlen row, its sequences ``cu i32[n + 1]`` in the row's
+    positions, ``init [n, W - 1, D]``. Each rank all-gathers the last ``min(L, W - 1)`` raw inputs
+    of every rank, so a sequence that crosses into a rank gets its previous ``W - 1`` inputs even
+    when they span several short shards. Returns ``(y [1, L, D], final [n, W - 1, D])``, the
+    final states the same on every rank."""
+    n, L, W = cu.shape[0] - 1, x.shape[1], weight.shape[-1]
+    P, m = jax.lax.axis_size(axis_name), min(L, W - 1)
+    r = jax.lax.axis_index(axis_name)
+    lo = r * L
+    tails = jax.lax.all_gather(x[0, L - m :], axis_name)  # [P, m, D]
+    pos = lo - (W - 1) + jnp.arange(W - 1)
+    src_rank = jnp.clip(pos // L, 0, P - 1)
+    from_tails = tails[src_rank, jnp.clip(pos - src_rank * L - (L - m), 0, m - 1)]
+    local_cu, c, crosses, owner = _rank_geometry(cu, lo, L, n)
+    from_init = init[c, jnp.clip(W - 1 + pos - cu[c], 0, W - 2)]
+    halo = jnp.where((pos >= cu[c])[:, None], from_tails, from_init)
+    local_init = init.at[c].set(jnp.where(crosses, halo, init[c]))
+    y, fin = short_conv(x, weight, bias=bias, activation=activation, initial_state=local_init, cu_seqlens=local_cu)
+    fin = jax.lax.psum(jnp.where((owner == r)[:, None, None], fin, jnp.zeros((), fin.dtype)), axis_name)
+    return y, fin
+
+
 def short_conv_cp(x, weight, *, mesh: Mesh, axis_name: str, bias=None, activation="silu", initial_state=None,
                   cu_seqlens=None):
-    """Short causal conv with T sharded over ``axis_name``, exchanging only a ``W - 1`` token halo.
-
-    Each rank all-gathers the last ``min(L, W - 1)`` raw inputs of every rank, so a sequence that
-    crosses into a rank gets its previous ``W - 1`` inputs even when they span several short shards.
-    Args and returns as :func:`k3jax.ops.conv.short_conv` (``x: [B, T, D]``, T divisible by the
-    axis size); ``final_state`` is replicated.
+    """Short causal conv with T sharded over ``axis_name``, exchanging only a ``W - 1`` token halo
+    (:func:`short_conv_on_shard`). Args and returns as :func:`k3jax.ops.conv.short_conv`
+    (``x: [B, T, D]``, T divisible by the axis size); ``final_state`` is replicated.
     """
     B, T, D = x.shape
     W = weight.shape[-1]
     P = mesh.shape[axis_name]
     if T % P:
         raise ValueError(f"T={T} must be divisible by the {axis_name!r} axis size {P}")
-    L = T // P
-    m = min(L, W - 1)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     init = jnp.zeros((N, W - 1, D), x.dtype) if initial_state is None else initial_state.astype(x.dtype)
-
-    def shard_seq(x, cu, init):
-        """x [1, L, D] on one rank; cu global i32[n + 1]; init [n, W - 1, D]."""
-        n = cu.shape[0] - 1
-        r = jax.lax.axis_index(axis_name)
-        lo = r * L
-        tails = jax.lax.all_gather(x[0, L - m :], axis_name)  # [P, m, D]
-        pos = lo - (W - 1) + jnp.arange(W - 1)
-        src_rank = jnp.clip(pos // L, 0, P - 1)
-        from_tails = tails[src_rank, jnp.clip(pos - src_rank * L - (L - m), 0, m - 1)]
-        local_cu, c, crosses, owner = _rank_geometry(cu, lo, L, n)
-        from_init = init[c, jnp.clip(W - 1 + pos - cu[c], 0, W - 2)]
-        halo = jnp.where((pos >= cu[c])[:, None], from_tails, from_init)
-        local_init = init.at[c].set(jnp.where(crosses, halo, init[c]))
-        y, fin = short_conv(x, weight, bias=bias, activation=activation, initial_state=local_init, cu_seqlens=local_cu)
-        fin = jax.lax.psum(jnp.where((owner == r)[:, None, None], fin, jnp.zeros((), fin.dtype)), axis_name)
-        return y, fin
+    shard_seq = partial(short_conv_on_shard, weight=weight, axis_name=axis_name, bias=bias, activation=activation)
 
     if cu_seqlens is None:
         cu_row = jnp.array([0, T], jnp.int32)

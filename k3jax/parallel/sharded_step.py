@@ -22,6 +22,10 @@ data shard has its own batch and its own pool (its own scheduler in the engine),
 experts split over all the mesh's axes, and each MoE layer gathers every shard's tokens,
 multiplies those routed to the device's experts and reduce-scatters the sums back (all-gather +
 local grouped matmul: no expert weight moves; the shards step together).
+
+Without a ``data`` axis, a step can split its prefill tokens over ``expert`` (context
+parallelism, :meth:`MeshPlan.context_parallel`): the attention, otherwise replicated there, then
+runs each device's part of a long prefill (KDA by KCP, MLA from every device's latents).
 """
 
 from __future__ import annotations
@@ -95,6 +99,19 @@ class MeshPlan:
     @property
     def parallel(self) -> Parallel:
         return Parallel(tensor=TENSOR, experts=self.expert_axes, data=self.data)
+
+    @property
+    def context_axis(self) -> str | None:
+        """The axis a step's prefill tokens can split over (KCP; see :class:`Parallel`):
+        ``expert``, over which the attention is replicated; None without one, or with a ``data`` axis."""
+        return EXPERT if self.mesh.shape.get(EXPERT, 1) > 1 and self.data is None else None
+
+    def context_parallel(self) -> Parallel:
+        """:attr:`parallel` with the prefill tokens split over :attr:`context_axis`."""
+        if self.context_axis is None:
+            raise ValueError(f"context parallelism needs an '{EXPERT}' axis and no '{DATA}' axis, got mesh "
+                             f"{dict(self.mesh.shape)}")
+        return self.parallel._replace(context=self.context_axis)
 
     def check(self, cfg: ModelConfig):
         """A clear error when the model does not split evenly over this mesh."""

@@ -23,7 +23,7 @@ WIDE = dict(SEVEN_LAYERS, num_attention_heads=8, linear_num_heads=8)
 class ShardedRunner(Runner):
     """``test_step.Runner`` with its params and pool on a mesh and its step in ``shard_map``."""
 
-    def __init__(self, cfg, params, dtype, mesh, scan=False):
+    def __init__(self, cfg, params, dtype, mesh, scan=False, context=False):
         super().__init__(cfg, params, dtype, scan=scan)
         self.plan = plan = MeshPlan(mesh)
         local_cfg, local_lay = local_config(cfg, plan), local_layout(cfg, self.lay, plan)
@@ -32,7 +32,7 @@ class ShardedRunner(Runner):
 
         def body(params, pool, batch):
             return model_step(local_cfg, local_lay, self.kernels, BUCKET["num_decode"], params, pool, batch,
-                              return_logits=True, par=plan.parallel)
+                              return_logits=True, par=plan.context_parallel() if context else plan.parallel)
 
         self._step = jax.jit(shard_step(plan, specs, body, num_batch=1), donate_argnums=1)
 
@@ -42,17 +42,21 @@ class ShardedRunner(Runner):
         return out
 
 
-@pytest.mark.parametrize("config,axes", [
-    ("wide", dict(tensor=2, expert=2)), pytest.param("wide", dict(tensor=4), marks=pytest.mark.slow),
-    ("wide", dict(tensor=8)), ("configs/tiny_k3.json", dict(tensor=2, expert=2))], ids=str)
-def test_sharded_step_matches_forward(config, axes):
+@pytest.mark.parametrize("config,axes,context", [
+    ("wide", dict(tensor=2, expert=2), False), pytest.param("wide", dict(tensor=4), False, marks=pytest.mark.slow),
+    ("wide", dict(tensor=8), False), ("configs/tiny_k3.json", dict(tensor=2, expert=2), False),
+    ("wide", dict(tensor=2, expert=2), True),
+    pytest.param("configs/tiny_k3.json", dict(tensor=1, expert=4), True, marks=pytest.mark.slow)], ids=str)
+def test_sharded_step_matches_forward(config, axes, context):
     """Prefill chunks, decode rows, idle rows and a shared page over three steps: the logits of
     every row equal the single-device reference's (float32; the sums run in another order); for
-    Kimi Linear and for Kimi K3 (Block AttnRes, LatentMoE, gated MLA, the K3 KDA gates)."""
+    Kimi Linear and for Kimi K3 (Block AttnRes, LatentMoE, gated MLA, the K3 KDA gates); with
+    ``context`` the prefill tokens split over the expert axis (KCP: a row's KDA state crosses
+    devices, its MLA queries read other devices' latents)."""
     cfg, params = _tiny(**WIDE) if config == "wide" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)
-    runner = ShardedRunner(cfg, params, jnp.float32, step_mesh(**axes), scan=True)
+    runner = ShardedRunner(cfg, params, jnp.float32, step_mesh(**axes), scan=True, context=context)
     assert runner.params["runs"]
     for seq, pos, lg in _schedule(runner, seqs):
         assert rel_rms(lg, ref[seq][pos]) < 1e-5, (seq, pos)

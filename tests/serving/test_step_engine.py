@@ -404,3 +404,19 @@ def test_engine_with_a_data_axis_gives_the_reference_tokens(greedy_reference):
         e.step()
     assert r.lane == 1 and r.result.token_ids == greedy_reference[1] and r.result.num_cached_tokens == 16
     assert e.runner.compiles_while_serving == 0 and e.stats()["running"] == 0 and e.metrics["accepted_drafts"] > 0
+
+
+def test_engine_with_context_parallel_prefill_gives_the_reference_tokens(greedy_reference):
+    """Tensor 1 x expert 2 with prefills of a 64-token bucket split over the expert axis (KCP):
+    the 90-token prompt's second chunk continues KDA states and reads latents another device
+    wrote; the reference's greedy tokens, then the same again from the prefix cache."""
+    e = _cached_engine(mesh=step_mesh(1, 2), context_parallel_from=64)
+    e.warmup()
+    assert [t for t, _ in _run(e, PROMPTS)] == greedy_reference
+    again = _run(e, PROMPTS)
+    assert [t for t, _ in again] == greedy_reference and again[0][1] == 80
+    assert e.runner.compiles_while_serving == 0
+    with pytest.raises(ValueError, match="must split over the 2 devices"):
+        _cached_engine(mesh=step_mesh(1, 2), context_parallel_from=1, prefill_buckets=(15, 64))
+    with pytest.raises(ValueError, match="needs an 'expert' axis"):
+        _cached_engine(mesh=step_mesh(2), context_parallel_from=64)

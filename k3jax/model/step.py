@@ -503,7 +503,8 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).
     Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
-    their grouped matmul. Under ``par.experts`` the device holds experts ``[first, first + E)``
+    their grouped matmul: with fewer routed slots than experts (a decode step), only the experts
+    the tokens route to. Under ``par.experts`` the device holds experts ``[first, first + E)``
     of the router's: it multiplies only the tokens routed to them (the rest sort last, outside
     every group, and weigh 0), and the routed sums are added over those axes. Under
     ``par.data`` that is done for the tokens of every data shard (see :class:`Parallel`), and
@@ -522,6 +523,12 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
         mine = (idx >= 0) & (idx < E)
         w, idx = jnp.where(mine, w, 0.0), jnp.where(mine, idx, E)
     flat = idx.reshape(-1)
+    gate_up, down = p["gate_up"], p["down"]
+    if isinstance(gate_up, MXFP4) and flat.shape[0] < E:  # the routed experts, gathered still packed
+        used = jnp.unique(flat, size=flat.shape[0], fill_value=E)  # sorted; E: another device's, or none
+        flat = jnp.where(flat < E, jnp.searchsorted(used, flat), flat.shape[0]).astype(i32)  # order kept
+        gate_up, down = (jax.tree.map(lambda a: a[jnp.minimum(used, E - 1)], w) for w in (gate_up, down))
+        E = flat.shape[0]  # the groups: one per routed slot, the unused ones empty
     order = jnp.argsort(flat)
     tok = order // cfg.num_experts_per_tok
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(i32)
@@ -531,8 +538,8 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
         a, w, prec = _operands(a, w)
         return kernels.ragged_dot(a, w, sizes, preferred_element_type=f32, precision=prec)
 
-    h = grouped(z[tok], p["gate_up"])
-    y = grouped(glu(cfg, h[:, :I], h[:, I:]), p["down"])
+    h = grouped(z[tok], gate_up)
+    y = grouped(glu(cfg, h[:, :I], h[:, I:]), down)
     if par.experts:  # rows past the groups: not this device's (a grouped matmul may leave them unset)
         y = jnp.where((flat[order] < E)[:, None], y, 0.0)
     y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])

@@ -103,13 +103,14 @@ def _step_logits(cfg, params, ids, scan):
     if scan:
         params = stack_layers(cfg, params)
         assert params["runs"]
-    bucket = dict(num_decode=2, num_tokens=48, num_rows=4, max_blocks=3, num_pages=8)
+    mixed = dict(num_decode=2, num_tokens=48, num_rows=4, max_blocks=3, num_pages=8)
+    decoding = dict(mixed, num_tokens=2, num_rows=2)  # 2 tokens x top-k routed slots, fewer than the experts
     steps = [([], [Row(ids[:20], 0, [0, 1], slot=6), Row(ids[3:27], 0, [2, 3], slot=7)])]
     steps += [([Row(ids[t : t + 1], t, [0, 1], slot=6), Row(ids[t + 7 : t + 8], t + 4, [2, 3], slot=7)], [])
               for t in (20, 21, 22)]
     out = []
     for decode, prefill in steps:
-        batch = pack_batch(lay, decode, prefill, **bucket)
+        batch = pack_batch(lay, decode, prefill, **(mixed if prefill else decoding))
         res, pool = jit_step(cfg, lay, StepKernels(), 2, params, pool, batch, return_logits=True)
         out.append(np.asarray(res.logits)[[0, 1] if decode else [2, 3]])
     return np.stack(out)
@@ -117,9 +118,10 @@ def _step_logits(cfg, params, ids, scan):
 
 @pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])  # unrolled: test_step covers it
 def test_step_on_packed_experts(loads, scan):
-    """The serving step dequantising packed experts in its MoE gives the logits of the step on
-    the dequantised load (float32), layers unrolled and scanned (the packed experts stacked);
-    row 0's are the golden ones (a prefix of its sequence)."""
+    """The serving step dequantising packed experts in its MoE (all of them in the prefill step;
+    in the decode steps only those the tokens route to) gives the logits of the step on the
+    dequantised load (float32), layers unrolled and scanned (the packed experts stacked); row
+    0's are the golden ones (a prefix of its sequence)."""
     (cfg, dense), (_, packed) = loads
     g = np.load(os.path.join(GOLDEN, "golden.npz"))
     ids = g["token_ids_0"].tolist()

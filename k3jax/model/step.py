@@ -98,6 +98,7 @@ class StepKernels:
     ragged_dot: Callable = grouped_matmul
     mla_decode: Callable | None = None
     kda_decode: Callable | None = None
+    mxfp4_block_bytes: int = 1 << 30  # the most bytes of packed experts dequantised at once (see grouped_mxfp4)
 
 
 class Parallel(NamedTuple):
@@ -499,12 +500,48 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     return linear(o, p["o"]), pool
 
 
+def grouped_mxfp4(kernels: StepKernels, a, w: MXFP4, sizes, dtype):
+    """``kernels.ragged_dot(a, dequantize(w), sizes)`` (rows ``a [M, K]`` sorted by group,
+    ``sizes i32[E]``; rows past the groups give zeros) without the whole dequantised ``w`` at
+    once: ``G`` experts at a time (``kernels.mxfp4_block_bytes`` of them dequantised to ``dtype``),
+    each multiplying its own rows ``R`` at a time. Kimi K3's 896 experts of a layer are 39 GB
+    dequantised in bf16 (their gate and up projections alone)."""
+    E, K, N = w.shape
+    per = K * N * jnp.dtype(dtype).itemsize
+    G = max((g for g in range(1, E + 1) if E % g == 0 and g * per <= kernels.mxfp4_block_bytes), default=1)
+    if G == E:
+        b, wd, prec = _operands(a, dequantize(w, dtype))
+        return kernels.ragged_dot(b, wd, sizes, preferred_element_type=f32, precision=prec)
+    M, R = a.shape[0], min(a.shape[0], 512)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    a = jnp.concatenate([a, jnp.zeros((R, K), a.dtype)])  # a last tile may run past the rows
+
+    def block(i, out):
+        wd = dequantize(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * G, G), w), dtype)
+        lo, hi = starts[i * G], ends[i * G + G - 1]  # the block's rows
+        s0, e0 = (jax.lax.dynamic_slice_in_dim(x, i * G, G) for x in (starts, ends))
+
+        def tile(carry):
+            r0, out = carry
+            tile_sizes = (jnp.clip(e0 - r0, 0, R) - jnp.clip(s0 - r0, 0, R)).astype(i32)
+            b, wt, prec = _operands(jax.lax.dynamic_slice_in_dim(a, r0, R), wd)
+            y = kernels.ragged_dot(b, wt, tile_sizes, preferred_element_type=f32, precision=prec)
+            keep = (jnp.arange(R) < hi - r0)[:, None]
+            y = jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, r0, R))  # the next block's rows stay
+            return r0 + R, jax.lax.dynamic_update_slice_in_dim(out, y, r0, 0)
+
+        return jax.lax.while_loop(lambda c: c[0] < hi, tile, (lo, out))[1]
+
+    return jax.lax.fori_loop(0, E // G, block, jnp.zeros((M + R, N), f32))[:M]
+
+
 def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel(), num_decode_tokens: int = 0):
     """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).
     Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
-    their grouped matmul: with fewer routed slots than experts (a decode step), only the experts
-    the tokens route to. Under ``par.experts`` the device holds experts ``[first, first + E)``
+    their grouped matmul, a block of them at a time (:func:`grouped_mxfp4`); with fewer routed
+    slots than experts (a decode step), only the experts the tokens route to. Under ``par.experts`` the device holds experts ``[first, first + E)``
     of the router's: it multiplies only the tokens routed to them (the rest sort last, outside
     every group, and weigh 0), and the routed sums are added over those axes. Under
     ``par.data`` that is done for the tokens of every data shard (see :class:`Parallel`), and
@@ -534,7 +571,7 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(i32)
     def grouped(a, w):
         if isinstance(w, MXFP4):
-            w = dequantize(w, x.dtype)
+            return grouped_mxfp4(kernels, a, w, sizes, x.dtype)
         a, w, prec = _operands(a, w)
         return kernels.ragged_dot(a, w, sizes, preferred_element_type=f32, precision=prec)
 

@@ -13,7 +13,8 @@ from k3jax.model import load_hf_checkpoint, logits
 from k3jax.model.loader import dequantize_mxfp4
 from k3jax.model.mxfp4 import MXFP4, dequantize
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import Row, StepKernels, jit_step, pack_batch, prepare_params, stack_layers
+from k3jax.model.step import (Row, StepKernels, grouped_mxfp4, jit_step, pack_batch, prepare_params,
+                              stack_layers)
 from tests.helpers import rel_rms
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "k3_tiny_mxfp4")
@@ -28,6 +29,22 @@ def _random_mxfp4(E=3, out=40, inp=256, seed=0):
     scale = rng.integers(0, 256, (E, out, inp // 32), dtype=np.uint8)
     scale[0, :16, 0] = [0, 1, 2, 3, 125, 126, 127, 128, 129, 250, 251, 252, 253, 254, 255, 255]
     return packed, scale
+
+
+@pytest.mark.parametrize("block_experts", [1, 2, 3, 6])
+def test_grouped_matmul_on_blocks_of_experts(block_experts):
+    """Dequantising a block of experts at a time (and their rows 512 at a time) gives the grouped
+    matmul on the whole dequantised stack: groups of 0 to 700 rows, rows past the groups zero."""
+    packed, scale = _random_mxfp4(E=6, out=16, inp=64, seed=3)
+    scale = np.clip(scale, 100, 140)  # finite weights
+    w = MXFP4(jnp.asarray(packed), jnp.asarray(scale)).mT  # the step's [E, in, out]
+    sizes = jnp.array([0, 700, 3, 0, 513, 40], jnp.int32)
+    a = jax.random.normal(jax.random.key(0), (int(sizes.sum()) + 20, 64))
+    want = jax.lax.ragged_dot(a, dequantize(w), sizes, precision=jax.lax.Precision.HIGHEST)
+    want = jnp.where((jnp.arange(a.shape[0]) < sizes.sum())[:, None], want, 0.0)
+    kernels = StepKernels(ragged_dot=jax.lax.ragged_dot, mxfp4_block_bytes=block_experts * 64 * 16 * 4)
+    got = jax.jit(lambda a, w, s: grouped_mxfp4(kernels, a, w, s, jnp.float32))(a, w, sizes)
+    assert rel_rms(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -96,7 +113,7 @@ def test_reference_forward_on_packed_experts(loads):
     np.testing.assert_allclose(got[0], g["logits_0"], atol=2e-3)
 
 
-def _step_logits(cfg, params, ids, scan):
+def _step_logits(cfg, params, ids, scan, kernels=StepKernels()):
     """Float32 serving-step logits: one prefill step of two rows, then three decode steps."""
     lay = PoolLayout.for_model(cfg, page_tokens=16, latent_dtype=jnp.float32)
     pool, params = lay.allocate(8), prepare_params(cfg, params, jnp.float32)
@@ -111,7 +128,7 @@ def _step_logits(cfg, params, ids, scan):
     out = []
     for decode, prefill in steps:
         batch = pack_batch(lay, decode, prefill, **(mixed if prefill else decoding))
-        res, pool = jit_step(cfg, lay, StepKernels(), 2, params, pool, batch, return_logits=True)
+        res, pool = jit_step(cfg, lay, kernels, 2, params, pool, batch, return_logits=True)
         out.append(np.asarray(res.logits)[[0, 1] if decode else [2, 3]])
     return np.stack(out)
 
@@ -125,6 +142,7 @@ def test_step_on_packed_experts(loads, scan):
     (cfg, dense), (_, packed) = loads
     g = np.load(os.path.join(GOLDEN, "golden.npz"))
     ids = g["token_ids_0"].tolist()
-    want, got = _step_logits(cfg, dense, ids, scan), _step_logits(cfg, packed, ids, scan)
+    want = _step_logits(cfg, dense, ids, scan)
+    got = _step_logits(cfg, packed, ids, scan, StepKernels(mxfp4_block_bytes=1 << 15))  # a few experts at a time
     assert rel_rms(got, want) < 1e-5
     np.testing.assert_allclose(got[:, 0], g["logits_0"][19:23], atol=2e-3)

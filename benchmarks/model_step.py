@@ -241,11 +241,13 @@ def main():
     ap.add_argument("--paged-mla", action="store_true", help="decode attention by the Pallas paged MLA kernel")
     ap.add_argument("--paged-kda", action="store_true", help="decode KDA states by the Pallas kernel on pages")
     ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each decode step")
+    ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (Kimi K3's checkpoint); "
+                    "the K3 slice: --config configs/kimi_k3.json --layers 4 --mxfp4")
     a = ap.parse_args()
     cfg = sliced_config(a.config, a.layers)
     meta = {"config": a.config, "layers": cfg.num_layers, "date": datetime.date.today().isoformat(),
             "device": jax.devices()[0].device_kind, "ragged": a.ragged, "scan_layers": a.scan_layers,
-            "paged_mla": a.paged_mla, "paged_kda": a.paged_kda}
+            "paged_mla": a.paged_mla, "paged_kda": a.paged_kda, "mxfp4": a.mxfp4}
     rows = []
     emit = lambda r: (rows.append({**meta, **r}), print(json.dumps(rows[-1]), flush=True))
     bw = copy_bandwidth()
@@ -255,11 +257,17 @@ def main():
             for r in bench_ragged(cfg, t):
                 emit(r)
     t0 = time.perf_counter()
-    params = random_params(cfg, jax.random.key(0))
+    params = random_params(cfg, jax.random.key(0), mxfp4=a.mxfp4)
     if a.scan_layers:
         params = stack_layers(cfg, params)
     jax.block_until_ready(params)
-    emit({"kind": "params", "GB": param_bytes(params) / 1e9, "init_s": time.perf_counter() - t0})
+    lay = PoolLayout.for_model(cfg, token_multiple=512)
+    emit({"kind": "params", "GB": param_bytes(params) / 1e9, "init_s": time.perf_counter() - t0,
+          # the caches against their formulas: (kv_lora_rank + rope) bf16 a token and MLA layer; HV K V fp32 a request and KDA layer
+          "mla_bytes_per_token": lay.n_mla * lay.latent * 2,
+          "mla_formula": len(cfg.mla_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2,
+          "kda_state_bytes_per_request_layer": lay.HV * lay.K * lay.V * 4,
+          "kda_formula": cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4, "page_bytes": lay.page_bytes})
     kernels = kernels_for(cfg, a.ragged, a.paged_mla, a.paged_kda)
     for B in map(int, a.batches.split(",")):
         emit(bench_decode(cfg, params, kernels, B, a.context, a.steps, bw, a.profile))

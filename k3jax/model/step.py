@@ -215,18 +215,40 @@ def prepare_layer(cfg: ModelConfig, i: int, lp, dtype=jnp.bfloat16):
     return dict(**trunk, attn=cast(a), mlp=cast(mp))
 
 
-def random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16):
+def random_mxfp4(key, shape) -> MXFP4:
+    """Random packed MXFP4 matrices ``[..., out, in]`` (the checkpoint's layout): uniform codes,
+    scales ``2^-8 .. 2^-6`` (weights up to about 0.09)."""
+    if shape[-1] % 32:
+        raise ValueError(f"MXFP4 packs 32 inputs a scale; matrices {shape} have {shape[-1]}")
+    k1, k2 = jax.random.split(key)
+    packed = jax.random.bits(k1, (*shape[:-1], shape[-1] // 2), jnp.uint8)
+    scale = jax.random.randint(k2, (*shape[:-1], shape[-1] // 32), 119, 122).astype(jnp.uint8)
+    return MXFP4(packed, scale)
+
+
+def random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, mxfp4: bool = False):
     """Random serving params (the distribution of :func:`k3jax.model.init_params`) built one layer
-    at a time, so a model that fills the device never exists twice (benchmarks)."""
+    at a time, so a model that fills the device never exists twice (benchmarks). ``mxfp4``: the
+    routed experts packed (:func:`random_mxfp4`), as in Kimi K3's checkpoint."""
     shapes = param_shapes(cfg)
     keys = jax.random.split(key, cfg.num_layers + 1)
     top = init_tree({k: v for k, v in shapes.items() if k != "layers"}, keys[-1], dtype)
     out = prepare_params(cfg, {**top, "layers": []}, dtype)
+
+    def make(k, i, shp):
+        packed = {}
+        if mxfp4 and cfg.mlp_types[i] == "moe":
+            mlp = dict(shp["mlp"])
+            packed = {n: random_mxfp4(kn, mlp.pop(n)) for n, kn in zip(("gate_up", "down"), jax.random.split(k))}
+            shp = {**shp, "mlp": mlp}
+        lp = init_tree(shp, k, dtype)
+        return prepare_layer(cfg, i, {**lp, "mlp": {**lp["mlp"], **packed}}, dtype)
+
     makers = {}
     for i, shp in enumerate(shapes["layers"]):
         kind = (cfg.layer_types[i], cfg.mlp_types[i])
         if kind not in makers:
-            makers[kind] = jax.jit(lambda k, i=i, shp=shp: prepare_layer(cfg, i, init_tree(shp, k, dtype), dtype))
+            makers[kind] = jax.jit(partial(make, i=i, shp=shp))
         out["layers"].append(makers[kind](keys[i]))
     return out
 

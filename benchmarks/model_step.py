@@ -9,6 +9,7 @@ Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.model_step --config conf
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import time
@@ -167,11 +168,20 @@ def bench_prefill(cfg, params, kernels, T: int) -> dict:
 
     s = timed_steps(run, 3)
     S = -(-T // PREFILL_TILE) * PREFILL_TILE
-    # absorbed attention as computed (every query over the row's context in whole tiles): scores + values
-    attn = len(cfg.mla_layers) * T * S * cfg.num_heads * 2 * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    # the attention as computed (every query over the row's context in whole tiles): scores + values,
+    # over the latents (absorbed) or over keys and values expanded from them (and that expansion)
+    expanded = kernels.expand_prefill_from is not None and T >= kernels.expand_prefill_from
+    if expanded:
+        nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+        per_pair = nope + cfg.qk_rope_head_dim + v
+        expand = S * cfg.num_heads * 2 * cfg.kv_lora_rank * (nope + v)
+    else:
+        per_pair, expand = 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0
+    attn = len(cfg.mla_layers) * (T * S * cfg.num_heads * 2 * per_pair + expand)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     flops = active_flops_per_token(cfg, params) * T + attn + 2 * head.size  # logits of the last token only
-    return {"kind": "prefill", "tokens": T, "seconds": s, "tokens_per_s": T / s, "TFLOP_s": flops / s / 1e12,
+    return {"kind": "prefill", "tokens": T, "expanded": expanded, "seconds": s, "tokens_per_s": T / s,
+            "TFLOP_s": flops / s / 1e12,
             "fraction_of_bf16_peak": flops / s / BF16_PEAK}
 
 
@@ -241,6 +251,8 @@ def main():
     ap.add_argument("--paged-mla", action="store_true", help="decode attention by the Pallas paged MLA kernel")
     ap.add_argument("--paged-kda", action="store_true", help="decode KDA states by the Pallas kernel on pages")
     ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each decode step")
+    ap.add_argument("--expanded-prefill", action="store_true",
+                    help="prefill attention over keys and values expanded from the latents, not over the latents")
     ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (Kimi K3's checkpoint); "
                     "the K3 slice: --config configs/kimi_k3.json --layers 4 --mxfp4")
     a = ap.parse_args()
@@ -269,6 +281,8 @@ def main():
           "kda_state_bytes_per_request_layer": lay.HV * lay.K * lay.V * 4,
           "kda_formula": cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4, "page_bytes": lay.page_bytes})
     kernels = kernels_for(cfg, a.ragged, a.paged_mla, a.paged_kda)
+    if a.expanded_prefill:
+        kernels = dataclasses.replace(kernels, expand_prefill_from=1024)
     for B in map(int, a.batches.split(",")):
         emit(bench_decode(cfg, params, kernels, B, a.context, a.steps, bw, a.profile))
     if a.prefill:

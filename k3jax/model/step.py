@@ -99,6 +99,9 @@ class StepKernels:
     mla_decode: Callable | None = None
     kda_decode: Callable | None = None
     mxfp4_block_bytes: int = 1 << 30  # the most bytes of packed experts dequantised at once (see grouped_mxfp4)
+    # prefill buckets of at least this many tokens attend over expanded keys and values (prefill_attention;
+    # None: never, until it is measured faster on a GPU)
+    expand_prefill_from: int | None = None
 
 
 class Parallel(NamedTuple):
@@ -439,27 +442,40 @@ def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
 
 
 def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block_table, end, *, scale: float,
-                      tile: int):
+                      tile: int, expand=None):
     """Absorbed attention of the queries ``mine bool[T]`` of ``q_lat [T, nh, L]``, ``q_rope [T, nh, R]``
     (those of one row, at positions ``pos i32[T]``) over that row's latents in the pool, read
     ``tile`` tokens at a time from its ``block_table`` up to its context ``end`` (an online
     softmax: the work and memory follow the row's context, not the bucket's). Returns the
-    attention-weighted latents ``f32[T, nh, L]`` (zeros for other rows' queries)."""
-    T, H, L = q_lat.shape
+    attention-weighted latents ``f32[T, nh, L]`` (zeros for other rows' queries).
+
+    ``expand=(w_uk [nh, n, L], w_uv [nh, v, L])``: ``q_lat`` is the un-absorbed ``q_nope [T, nh, n]``
+    and each tile's latents are expanded to keys and values first (``n + R + v`` products a score
+    and value instead of ``2 L + R``: fewer for a long chunk); returns ``f32[T, nh, v]``."""
+    T, H, _ = q_lat.shape
+    L = lay.latent - q_rope.shape[-1]
     offs = jnp.arange(tile, dtype=i32)
 
     def body(j, carry):
         m, l, acc = carry
         ctx = read_latent_tile(lay, pool, li, block_table, j * tile, tile, end)  # [tile, L + R]
-        s = (mm("thl,sl->ths", q_lat, ctx[:, :L]) + mm("thr,sr->ths", q_rope, ctx[:, L:])) * scale
+        if expand is None:
+            keys, values = ctx[:, :L], ctx[:, :L]
+            s = mm("thl,sl->ths", q_lat, keys)
+        else:
+            keys, values = (mm("sl,hnl->shn", ctx[:, :L], w).astype(ctx.dtype) for w in expand)
+            s = mm("thn,shn->ths", q_lat, keys)
+        s = (s + mm("thr,sr->ths", q_rope, ctx[:, L:])) * scale
         vis = mine[:, None] & (j * tile + offs[None, :] <= pos[:, None])  # causal; rows past `end` are zeros
         s = jnp.where(vis[:, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query that has seen nothing yet
         p, alpha = jnp.exp(s - base[..., None]), jnp.exp(m - base)
-        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + mm("ths,sl->thl", p, ctx[:, :L])
+        pv = mm("ths,sl->thl", p, values) if expand is None else mm("ths,shv->thv", p, values)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
-    init = (jnp.full((T, H), -jnp.inf, f32), jnp.zeros((T, H), f32), jnp.zeros((T, H, L), f32))
+    width = L if expand is None else expand[1].shape[1]
+    init = (jnp.full((T, H), -jnp.inf, f32), jnp.zeros((T, H), f32), jnp.zeros((T, H, width), f32))
     _, l, acc = jax.lax.fori_loop(0, (end + tile - 1) // tile, body, init)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
@@ -469,9 +485,11 @@ PREFILL_TILE = 512  # context tokens a prefill row's attention reads per iterati
 
 def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li, batch: StepBatch,
               rows: _Rows):
-    """MLA sublayer (no positional encoding, as in Kimi Linear) with absorbed ``kv_b``: writes the
-    tokens' latents into their pages, then every token attends over its row's latents (decode
-    tokens through ``kernels.mla_decode`` when given)."""
+    """MLA sublayer (no positional encoding, as in Kimi Linear): writes the tokens' latents into
+    their pages, then every token attends over its row's latents with absorbed ``kv_b`` (decode
+    tokens through ``kernels.mla_decode`` when given), or, in a bucket of at least
+    ``kernels.expand_prefill_from`` prefill tokens, the prefill tokens over keys and values
+    expanded from them tile by tile."""
     T = x.shape[0]
     nope, rope, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     q, latent = mla_inputs(cfg, p, x, linear)
@@ -479,7 +497,8 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     latent = _spread(latent, rows.nt, rows.context)
     page, off = token_pages(lay, batch.block_tables, jnp.minimum(every.row, batch.start.shape[0] - 1), every.pos)
     pool = write_latents(lay, pool, li, jnp.where(every.live, page, -1), off, latent)
-    q_lat, q_rope = mm("thn,hnl->thl", q[..., :nope], p["w_uk"]), q[..., nope:]
+    absorb = lambda q: mm("thn,hnl->thl", q[..., :nope], p["w_uk"])
+    q_lat, q_rope = absorb(q[: rows.nt]), q[..., nope:]  # the decode tokens'
     S = batch.block_tables.shape[1] * lay.page_tokens
     nd, nt, R = rows.nd, rows.nt, batch.start.shape[0]
     ends = batch.start + batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
@@ -503,10 +522,15 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         vis = jnp.arange(S, dtype=i32)[None, None, :] <= win(rows.pos)[..., None]
         outs.append(jax.vmap(attend)(win(q_lat), win(q_rope), ctx, vis).reshape(nt, *q_lat.shape[1:2], -1))
     if T > nt:
+        # a long chunk attends with expanded keys and values; a short one over the latents
+        long = kernels.expand_prefill_from is not None and T - nt >= kernels.expand_prefill_from
+        expand = (p["w_uk"], p["w_uv"]) if long else None
+        q_p = q[nt:, :, :nope] if expand else absorb(q[nt:])
+
         def one_row(r, mine):  # the context its queries see: up to its last one here
             end = jnp.minimum(ends[r], jnp.max(jnp.where(mine, rows.pos[nt:], -1)) + 1)
-            return prefill_attention(lay, pool, li, q_lat[nt:], q_rope[nt:], mine, rows.pos[nt:],
-                                     batch.block_tables[r], end, scale=scale, tile=min(S, PREFILL_TILE))
+            return prefill_attention(lay, pool, li, q_p, q_rope[nt:], mine, rows.pos[nt:], batch.block_tables[r], end,
+                                     scale=scale, tile=min(S, PREFILL_TILE), expand=expand)
 
         # each token's row adds its output; a bucket's unused prefill rows (most steps have fewer
         # than its rows) and, with rows.context, those with no token on this device cost nothing
@@ -514,8 +538,9 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
             mine = rows.row[nt:] == r
             return jax.lax.cond(jnp.any(mine), lambda r: o + one_row(r, mine), lambda r: o, r)
 
-        o = jax.lax.fori_loop(nd, R, add_row, jnp.zeros((T - nt, *q_lat.shape[1:]), f32))
-        outs.append(mm("thl,hvl->thv", o, p["w_uv"]))
+        width = p["w_uv"].shape[1] if expand else L
+        o = jax.lax.fori_loop(nd, R, add_row, jnp.zeros((T - nt, q.shape[1], width), f32))
+        outs.append(o if expand else mm("thl,hvl->thv", o, p["w_uv"]))
     o = (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).reshape(T, -1)
     if cfg.mla_output_gate:
         o = o * jax.nn.sigmoid(linear(x, p["g"]))

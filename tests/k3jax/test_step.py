@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -106,14 +107,18 @@ def _reference(cfg, params, seqs):
     return [np.asarray(run(jnp.asarray(s))) for s in seqs]
 
 
+EXPANDED = StepKernels(expand_prefill_from=1)  # every prefill chunk attends over expanded keys and values
+
+
 @pytest.mark.parametrize("config,scan,kernels", [
-    ("configs/tiny.json", False, StepKernels()),
+    ("configs/tiny.json", False, EXPANDED),
     pytest.param("configs/tiny_k3.json", False, StepKernels(), marks=pytest.mark.slow),  # scanned K3 below
-    ("seven_layers", True, StepKernels()), ("configs/tiny_k3.json", True, PAGED),
+    ("seven_layers", True, StepKernels()), ("configs/tiny_k3.json", True, replace(PAGED, expand_prefill_from=1)),
     pytest.param("configs/tiny.json", False, PAGED_TPU, marks=pytest.mark.slow)])
 def test_step_matches_forward_float32(config, scan, kernels):
     """The step's logits equal the reference forward's, unrolled and scanned, with the Pallas
-    decode kernels on pages (GPU and TPU versions, interpreted) or the gathered attention and states."""
+    decode kernels on pages (GPU and TPU versions, interpreted) or the gathered attention and
+    states, and with the prefill chunks over latents (absorbed) or expanded keys and values."""
     cfg, params = _tiny(**SEVEN_LAYERS) if config == "seven_layers" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)

@@ -620,12 +620,12 @@ def test_kimi_tiktoken_tokenizer(tmp_path):
 
 def test_parallel_flags_build_a_sharded_step_engine():
     """--tensor-parallel 2 --expert-parallel 2: the step engine's params and pool on a 2 x 2 mesh of
-    the fake CPU devices (with --data-parallel 2 instead of the expert axis: two lanes); the
-    reference engine refuses the flags."""
+    the fake CPU devices, its prefills split over the expert axis (--context-parallel-from); with
+    --data-parallel 2 instead of the expert axis: two lanes; the reference engine refuses the flags."""
     flags = ["--max-slots", "2", "--max-len", "128", "--prefill-chunk", "32", "--tensor-parallel", "2",
              "--expert-parallel", "2"]
-    engine = make_engine(parser().parse_args(["--engine", "step", *flags]))
-    assert dict(engine.runner.plan.mesh.shape) == {"tensor": 2, "expert": 2}
+    engine = make_engine(parser().parse_args(["--engine", "step", *flags, "--context-parallel-from", "32"]))
+    assert dict(engine.runner.plan.mesh.shape) == {"tensor": 2, "expert": 2} and engine.runner.context_from == 32
     assert len(engine.runner.pool.sharding.device_set) == 4
     engine = make_engine(parser().parse_args(["--engine", "step", *flags[:-2], "--data-parallel", "2"]))
     assert dict(engine.runner.plan.mesh.shape) == {"data": 2, "tensor": 2} and len(engine.scheds) == 2

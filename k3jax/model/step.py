@@ -40,8 +40,8 @@ from k3jax.model.pool import (PoolLayout, copy_pages, from_state_view, latent_wo
                               read_latent_tile, read_latents, state_row, state_view, token_pages, write_conv, write_kda,
                               write_latents)
 from k3jax.ops.conv import short_conv, short_conv_step
-from k3jax.parallel.kcp import chunk_kda_on_shard, short_conv_on_shard
 from k3jax.ops.kda import chunk_kda, kda_commit, kda_decode_step, kda_gate, kda_verify, l2norm
+from k3jax.parallel.kcp import chunk_kda_on_shard, short_conv_on_shard
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -588,9 +588,10 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).
     Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
     their grouped matmul, a block of them at a time (:func:`grouped_mxfp4`); with fewer routed
-    slots than experts (a decode step), only the experts the tokens route to. Under ``par.experts`` the device holds experts ``[first, first + E)``
-    of the router's: it multiplies only the tokens routed to them (the rest sort last, outside
-    every group, and weigh 0), and the routed sums are added over those axes. Under
+    slots than experts (a decode step), only the experts the tokens route to. Under
+    ``par.experts`` the device holds experts ``[first, first + E)`` of the router's: it
+    multiplies only the tokens routed to them (the rest sort last, outside every group, and
+    weigh 0), and the routed sums are added over those axes. Under
     ``par.data`` that is done for the tokens of every data shard (see :class:`Parallel`), and
     under ``par.context`` for every device's prefill tokens (``x``: the device's
     ``num_decode_tokens`` decode tokens, then its prefill tokens)."""

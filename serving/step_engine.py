@@ -22,11 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.pool import PoolLayout
+from k3jax.model.loader import HFCheckpoint
 from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
-                              pack_batch, prepare_params, stack_layers, unflatten_batch)
+                              pack_batch, prepare_layer, prepare_params, stack_layers, unflatten_batch)
 from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, local_config, local_layout,
-                                         param_specs, put_global, shard_params, shard_step)
+                                         param_specs, place_streamed, put_global, shard_params, shard_step)
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
@@ -45,6 +46,19 @@ def load_model(model, seed: int = 0):
         cfg = ModelConfig.from_json(os.path.join(CONFIGS, EMBEDDED[model]))
         return cfg, init_params(cfg, jax.random.key(seed))
     return load_hf_checkpoint(model, keep_mxfp4=True)  # MXFP4 experts stay packed (the step dequantises)
+
+
+def load_on_mesh(path: str, dtype, plan: MeshPlan, scan_layers: bool):
+    """``(ModelConfig, params, specs)``: a checkpoint directory's serving params placed on
+    ``plan``'s mesh one layer at a time (:func:`k3jax.parallel.sharded_step.place_streamed`;
+    MXFP4 experts stay packed)."""
+    ck = HFCheckpoint(path, keep_mxfp4=True)
+    cfg = ck.cfg
+    plan.check(cfg)
+    top = prepare_params(cfg, {**ck.top(), "layers": []}, dtype)
+    params, specs = place_streamed(cfg, top, lambda i: prepare_layer(cfg, i, ck.layer(i), dtype), plan, scan_layers)
+    ck.check_all_taken()
+    return cfg, params, specs
 
 
 def _powers_of_four(lo: int, hi: int) -> tuple[int, ...]:
@@ -118,12 +132,13 @@ class Runner:
     (decode rows, prefill tokens) bucket. ``dispatch`` packs a plan into its bucket and starts
     the step (pool donated); ``fetch`` waits for it and returns the sampled ``int32`` token of
     every planned row. ``context_from``: prefill buckets of at least this many tokens split them
-    over ``plan``'s expert axis (KCP; see :meth:`k3jax.parallel.sharded_step.MeshPlan.context_parallel`)."""
+    over ``plan``'s expert axis (KCP; see :meth:`k3jax.parallel.sharded_step.MeshPlan.context_parallel`).
+    ``specs``: ``params`` are on ``plan``'s mesh already, placed by these (else they are placed here)."""
 
     def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
                  decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int,
                  num_logprobs: int = MAX_LOGPROBS, speculative: int = 0, plan: MeshPlan | None = None,
-                 context_from: int | None = None):
+                 context_from: int | None = None, specs=None):
         self.cfg, self.params, self.lay, self.kernels, self.plan = cfg, params, lay, kernels, plan
         self.num_logprobs = num_logprobs
         self.num_pages, self.max_blocks, self.max_prefill_rows = num_pages, max_blocks, max_prefill_rows
@@ -142,7 +157,8 @@ class Runner:
         if plan is None:
             self._step = partial(_fed_step, cfg, lay, kernels)
         else:
-            self.params, specs = shard_params(cfg, params, plan)
+            if specs is None:  # else the params are on the mesh already
+                self.params, specs = shard_params(cfg, params, plan)
             self._step = sharded_fed_step(cfg, self.device_lay, kernels, plan, specs)
         self.lanes = 1 if plan is None else plan.dp  # data shards: each has its own batch, pool and scheduler
         # the batch and per-slot arrays: replicated over a mesh, or one per data shard ([lanes, ...])
@@ -331,10 +347,14 @@ class StepEngine(EngineBase):
                  spec_backoff: int = 16, params=None, mesh=None, context_parallel_from: int | None = None):
         if compile_cache:
             use_compile_cache(compile_cache)
-        # On a mesh the weights are loaded and prepared in host memory, then placed shard by shard
-        # (no device holds the whole model on the way)
+        # On a mesh the weights are prepared in host memory and placed shard by shard (no device
+        # holds the whole model on the way); a checkpoint directory one layer at a time (nor does the host)
+        plan = None if mesh is None else MeshPlan(mesh)
+        specs = None  # the params' specs once they are on the mesh
         with jax.default_device(jax.local_devices(backend="cpu")[0]) if mesh is not None else contextlib.nullcontext():
-            if params is None:
+            if params is None and plan is not None and isinstance(model, str) and model not in EMBEDDED:
+                self.cfg, params, specs = load_on_mesh(model, dtype, plan, scan_layers)
+            elif params is None:
                 self.cfg, ref = load_model(model, seed)
                 params = prepare_params(self.cfg, ref, dtype)
                 del ref  # before the pool is sized from free memory
@@ -342,10 +362,9 @@ class StepEngine(EngineBase):
                 self.cfg = model
             else:
                 raise ValueError("params= (step-format weights) goes with a ModelConfig as model")
-            if scan_layers:
+            if scan_layers and specs is None:
                 params = stack_layers(self.cfg, params)
         self.max_len = max_len
-        plan = None if mesh is None else MeshPlan(mesh)
         if jax.process_count() > 1 and (plan is None or mesh.devices.size != jax.device_count()):
             raise ValueError(f"with {jax.process_count()} processes the step's mesh must span all "
                              f"{jax.device_count()} devices of all of them")
@@ -369,8 +388,8 @@ class StepEngine(EngineBase):
         spare = 5 + max_len // (16 * hash_tokens) if prefix_cache else 1
         if num_pages is None:
             per_device = lay if plan is None else local_layout(self.cfg, lay, plan)
-            # on a mesh the weights are still in host memory: a device's share is set aside
-            weights = 0 if plan is None else device_param_bytes(params, param_specs(self.cfg, params, plan), mesh)
+            # on a mesh the weights may still be in host memory: a device's share is set aside
+            weights = 0 if plan is None or specs else device_param_bytes(params, param_specs(self.cfg, params, plan), mesh)
             num_pages = _default_pages(per_device, max_running, max_blocks + spare, weights)
             num_pages = min_over_processes(num_pages)  # the same pool everywhere, fitting the fullest device
         if num_pages < max_blocks + spare:
@@ -380,7 +399,7 @@ class StepEngine(EngineBase):
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
                              prefill_buckets=prefill_buckets,
                              max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative,
-                             plan=plan, context_from=context_parallel_from)
+                             plan=plan, context_from=context_parallel_from, specs=specs)
         if speculative < 0:
             raise ValueError(f"speculative must be >= 0, got {speculative}")
         self._sched_args = dict(token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,

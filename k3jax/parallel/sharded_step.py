@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.model.config import ModelConfig
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import Parallel
+from k3jax.model.step import Parallel, layer_runs
 
 DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 
@@ -251,3 +251,43 @@ def device_param_bytes(params, specs, mesh: Mesh) -> int:
         axes = [a for d in spec if d is not None for a in (d if isinstance(d, tuple) else (d,))]
         return x.size * x.dtype.itemsize // math.prod(mesh.shape[a] for a in axes)
     return sum(jax.tree.leaves(jax.tree.map(one, params, specs)))
+
+
+def place_layer(cfg: ModelConfig, layer, plan: MeshPlan):
+    """One serving layer (:func:`k3jax.model.step.prepare_layer`'s) on the mesh, regrouped and
+    placed shard by shard as :func:`shard_params` would place it among the layers."""
+    return shard_params(cfg, {"layers": [layer]}, plan)[0]["layers"][0]
+
+
+def _set_layer(stacked, n, layer):
+    return jax.tree.map(lambda s, x: s.at[n].set(x), stacked, layer)
+
+
+def place_streamed(cfg: ModelConfig, top, layer_of, plan: MeshPlan, scan: bool = True):
+    """Serving params on the mesh built one layer at a time: ``top`` (the prepared params outside
+    the layers) and ``layer_of(i)``, layer ``i`` prepared in host memory, placed before the next
+    is made (the host never holds more than one layer; each device only its shards). With
+    ``scan`` the runs of :func:`k3jax.model.step.layer_runs` are stacked on the devices (a stack
+    allocated on the mesh, each layer written into it in place), as :func:`k3jax.model.step.stack_layers`
+    lays them out. Returns ``(params, specs)`` as :func:`shard_params`."""
+    params, _ = shard_params(cfg, top, plan)
+    runs = layer_runs(cfg) if scan else ()
+    scanned = {s + n * per + j for s, per, c in runs for n in range(c) for j in range(per)}
+    layers = [None if i in scanned else place_layer(cfg, layer_of(i), plan) for i in range(cfg.num_layers)]
+    stacked = []
+    for s, per, c in runs:
+        group = []
+        for j in range(per):
+            first = place_layer(cfg, layer_of(s + j), plan)
+            shardings = jax.tree.map(lambda a: NamedSharding(plan.mesh, P(None, *a.sharding.spec)), first)
+            stack = jax.jit(lambda t: jax.tree.map(lambda a: jnp.zeros((c, *a.shape), a.dtype), t),
+                            out_shardings=shardings)(first)
+            set_layer = jax.jit(_set_layer, donate_argnums=0, out_shardings=shardings)  # in place, sharded
+            stack = set_layer(stack, 0, first)
+            del first
+            for n in range(1, c):
+                stack = set_layer(stack, n, place_layer(cfg, layer_of(s + n * per + j), plan))
+            group.append(stack)
+        stacked.append(group)
+    params = dict(params, layers=layers, runs=stacked) if scan else dict(params, layers=layers)
+    return params, param_specs(cfg, params, plan)

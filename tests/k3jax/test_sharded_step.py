@@ -2,6 +2,7 @@
 ``shard_map``) against the reference forward, on the ragged schedule of ``test_step``; its
 compiled decode step's collectives; and clear errors for meshes the model does not split over."""
 
+import os
 import re
 
 import jax
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from k3jax.model.step import model_step, pack_batch
-from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, local_config, local_layout, shard_params,
-                                         shard_step, step_mesh)
+from k3jax.model import load_hf_checkpoint
+from k3jax.model.loader import HFCheckpoint
+from k3jax.model.step import model_step, pack_batch, prepare_layer, prepare_params, stack_layers
+from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, local_config, local_layout, place_streamed,
+                                         shard_params, shard_step, step_mesh)
 from tests.helpers import rel_rms
 from tests.k3jax.test_step import BUCKET, SEVEN_LAYERS, Runner, _reference, _schedule, _seqs_with_shared_prefix, _tiny
 
@@ -108,3 +111,26 @@ def test_data_axis_gathers_tokens_and_no_weights():
     logits = rf"f32\[\d+,{cfg.vocab_size}\]"
     outputs = rf"\w+\[2,{R}(,\d+)?\]"
     assert gathers and all(re.fullmatch(rf"({tokens}|{logits}|{outputs})(\{{.*\}})?", s) for s in gathers), gathers
+
+
+def test_a_checkpoint_is_placed_a_layer_at_a_time():
+    """``place_streamed`` (the engine's path for a checkpoint on a mesh) reads each layer once,
+    in turn, and gives the arrays, shardings and specs of preparing the whole checkpoint and
+    placing it with ``shard_params``, the scanned runs stacked on the devices."""
+    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "k3_tiny_mxfp4")
+    ck = HFCheckpoint(path, keep_mxfp4=True)
+    cfg, plan, dt = ck.cfg, MeshPlan(step_mesh(1, 2)), jnp.bfloat16
+    reads = []
+
+    def layer_of(i):
+        reads.append(i)
+        return prepare_layer(cfg, i, ck.layer(i), dt)
+
+    got, specs = place_streamed(cfg, prepare_params(cfg, {**ck.top(), "layers": []}, dt), layer_of, plan)
+    ck.check_all_taken()
+    assert sorted(reads) == list(range(cfg.num_layers)) and got["runs"]
+    _, ref = load_hf_checkpoint(path, keep_mxfp4=True)
+    want, want_specs = shard_params(cfg, stack_layers(cfg, prepare_params(cfg, ref, dt)), plan)
+    assert jax.tree.structure(got) == jax.tree.structure(want) and specs == want_specs
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b))

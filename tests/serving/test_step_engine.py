@@ -16,6 +16,7 @@ from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
 from serving.scheduler import Scheduler
+from serving import step_engine
 from serving.step_engine import StepEngine, _fed_step
 
 PROMPTS = [[5, 6, 7] * 30, [9] * 17, list(range(40, 100)), [200, 3, 77]]
@@ -335,7 +336,8 @@ def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache, engine):
 @pytest.mark.slow  # the step on packed experts: tests/k3jax/test_mxfp4.py
 def test_an_mxfp4_checkpoint_is_served_with_its_experts_packed():
     """A K3 checkpoint with MXFP4 experts: the engine keeps them packed on the device (4.25 bits
-    a weight) and gives the greedy tokens of the same model loaded dequantised."""
+    a weight) and gives the greedy tokens of the same model loaded dequantised; so does the
+    engine on an expert 2 mesh, which places the checkpoint one layer at a time."""
     path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "k3_tiny_mxfp4")
     kw = dict(dtype=jnp.float32, max_running=2, max_len=64, token_budget=32, max_prefill_rows=1,
               decode_buckets=(2,), prefill_buckets=(32,), prefix_cache=False)
@@ -343,8 +345,17 @@ def test_an_mxfp4_checkpoint_is_served_with_its_experts_packed():
     assert any(isinstance(x, MXFP4) for x in jax.tree.leaves(packed.runner.params, is_leaf=lambda x: isinstance(x, MXFP4)))
     dense = StepEngine(load_hf_checkpoint(path), **kw)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
-    assert [r.token_ids for r in packed.generate(prompts, max_tokens=5)] == \
-        [r.token_ids for r in dense.generate(prompts, max_tokens=5)]
+    want = [r.token_ids for r in dense.generate(prompts, max_tokens=5)]
+    assert [r.token_ids for r in packed.generate(prompts, max_tokens=5)] == want
+    # On a mesh the checkpoint is placed a layer at a time, the whole model never read at once
+    reads = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_engine, "load_hf_checkpoint", None)  # not this path
+        layer = step_engine.HFCheckpoint.layer
+        mp.setattr(step_engine.HFCheckpoint, "layer", lambda self, i: (reads.append(i), layer(self, i))[1])
+        sharded = StepEngine(path, mesh=step_mesh(1, 2), **kw)
+    assert sorted(reads) == list(range(sharded.cfg.num_layers)) and sharded.runner.params["runs"]
+    assert [r.token_ids for r in sharded.generate(prompts, max_tokens=5)] == want
 
 
 def test_drafts_take_only_spare_pages():

@@ -8,8 +8,10 @@ Speculative decoding runs on the step: a request's drafts ride in its decode row
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -29,6 +31,7 @@ from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, local_config, local_layout,
                                          param_specs, place_streamed, put_global, shard_params, shard_step)
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
+from pallas_kernels.mla.paged_decode import TILE as PAGED_MLA_TILE
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
@@ -290,14 +293,20 @@ class Runner:
 
 def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKernels:
     """The step's device ops when none are given: on a GPU the Pallas prefill (as
-    :func:`serving.engine.default_kernels`); the XLA paths elsewhere and for decode.
+    :func:`serving.engine.default_kernels`) and the Pallas decode kernels on pages
+    (``paged_mla_decode``, ``kda_decode_pages``); the XLA paths elsewhere (the kernels' TPU
+    versions are not yet measured on a TPU).
 
-    The Pallas decode kernels on pages (``paged_mla_decode``, ``kda_decode_pages``) are opt-in
-    (``StepKernels(mla_decode=..., kda_decode=...)``): on the H100 on 2026-12-06/07 the step
-    engine's warm-up with the MLA one on its default pool hit a CUDA illegal address in its first
-    decode bucket (all padding rows). The likely cause, padding rows reading page -1, is fixed
-    (38a9a4c) but not yet confirmed on a GPU."""
-    return StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
+    The decode kernels became the GPU default once the engine ran on them on its default pool
+    (2^31 words) on an H100 on 2026-12-07 (``benchmarks.engine_check --paged both --pages 0``):
+    the CUDA illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed
+    in 38a9a4c)."""
+    kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
+    if (backend or jax.default_backend()) != "gpu":
+        return kernels
+    from pallas_kernels.kda.decode_pages import kda_decode_pages
+    from pallas_kernels.mla import paged_mla_decode
+    return dataclasses.replace(kernels, mla_decode=paged_mla_decode, kda_decode=kda_decode_pages)
 
 
 class StepEngine(EngineBase):
@@ -370,8 +379,10 @@ class StepEngine(EngineBase):
                              f"{jax.device_count()} devices of all of them")
         if plan is not None:
             plan.check(self.cfg)
-        lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype,
-                                   token_multiple=hash_tokens if prefix_cache else 16)
+        kernels = kernels or default_step_kernels(self.cfg)
+        # pages of whole hash blocks, and of whole tiles of the paged MLA decode kernel
+        multiple = math.lcm(hash_tokens if prefix_cache else 16, PAGED_MLA_TILE if kernels.mla_decode else 1)
+        lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype, token_multiple=multiple)
         if prefix_cache and lay.page_tokens % hash_tokens:
             raise ValueError(f"page_tokens {lay.page_tokens} must be a multiple of hash_tokens {hash_tokens}")
         max_blocks = -(-max_len // lay.page_tokens)
@@ -395,7 +406,6 @@ class StepEngine(EngineBase):
         if num_pages < max_blocks + spare:
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
-        kernels = kernels or default_step_kernels(self.cfg)
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
                              prefill_buckets=prefill_buckets,
                              max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative,

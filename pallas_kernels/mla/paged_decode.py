@@ -26,6 +26,8 @@ from pallas_kernels.mla.paged_decode_tpu import paged_mla_decode_tpu
 _F32 = jnp.float32
 
 
+TILE = 64  # context tokens a program scores at a time (page_tokens must be a multiple)
+
 def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l_ref, *, page_tokens: int, tile: int,
             per_split: int, scale: float, L: int, H: int, dtype):
     q, sp = pl.program_id(0), pl.program_id(1)
@@ -64,7 +66,7 @@ def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l
 
 @functools.partial(jax.jit, static_argnames=("page_tokens", "scale", "tile", "splits", "interpret", "backend"))
 def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, page_tokens: int, scale: float,
-                     tile: int = 64, splits: int | None = None, interpret=None, backend: str | None = None):
+                     tile: int = TILE, splits: int | None = None, interpret=None, backend: str | None = None):
     """``softmax(scale * (q_lat . lat[:, :L] + q_rope . lat[:, L:])) @ lat[:, :L]`` over each query
     row's first ``lengths[i]`` tokens.
 

@@ -11,7 +11,7 @@ import pytest
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
 from k3jax.model.mxfp4 import MXFP4
-from k3jax.model.step import layer_runs, prepare_params
+from k3jax.model.step import StepKernels, layer_runs, prepare_params
 from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
@@ -431,3 +431,17 @@ def test_engine_with_context_parallel_prefill_gives_the_reference_tokens(greedy_
         _cached_engine(mesh=step_mesh(1, 2), context_parallel_from=1, prefill_buckets=(15, 64))
     with pytest.raises(ValueError, match="needs an 'expert' axis"):
         _cached_engine(mesh=step_mesh(2), context_parallel_from=64)
+
+
+def test_gpu_default_kernels_decode_on_pages_and_pages_hold_whole_tiles():
+    """On a GPU the engine's default kernels are the Pallas decode kernels on pages; with the
+    paged MLA kernel every page holds whole kernel tiles (without the prefix cache the page size
+    is otherwise a multiple of 16: 5840 tokens on the 48B shape failed the kernel on an H100)."""
+    from pallas_kernels.mla.paged_decode import TILE
+    cfg, _ = _model()
+    gpu = step_engine.default_step_kernels(cfg, "gpu")
+    assert gpu.mla_decode is not None and gpu.kda_decode is not None
+    assert step_engine.default_step_kernels(cfg, "cpu").mla_decode is None
+    paged = _engine(kernels=dataclasses.replace(StepKernels(), mla_decode=gpu.mla_decode), num_pages=None)
+    plain = _engine(num_pages=None)
+    assert paged.runner.lay.page_tokens % TILE == 0 and plain.runner.lay.page_tokens % TILE

@@ -368,6 +368,7 @@ def test_chunk_kda_with_the_mosaic_kernel_c(gpu_run):
             prefill.chunk_kda(*bad, backend="gpu", wu_kernel="mosaic_gpu")
 
 
+@pytest.mark.slow  # CI time: the kernel runs interpreted in CI and compiled on the GPU
 def test_the_mosaic_recurrence_lowers_for_the_h200():
     """jax.export for an abstract H200: the summary pass, the recurrence and stage 1's kernels A
     and C as Mosaic GPU kernels at a serving shape (bf16, K = V = 128, GVA, 2 segments), the

@@ -53,6 +53,7 @@ def test_restoring_hits_of_any_length_compiles_once():
     assert sizes[0] == sizes[1] >= 1
 
 
+@pytest.mark.slow  # CI time: the reference engine; the step engine's batches are tested in CI
 def test_batch_of_one_vs_many(cached):
     ps = [prompt(2, 30), prompt(3, 90), prompt(4, 5), prompt(5, 300)]
     together = cached.generate(ps, max_tokens=5)
@@ -89,6 +90,7 @@ def test_invalid_prompts_are_rejected(cached):
         cached.submit([5] * 1190, SamplingParams(max_tokens=20))
 
 
+@pytest.mark.slow  # CI time: the reference engine; the step engine's preemption is tested in CI
 def test_preemption_recomputes_and_never_corrupts(plain):
     # A 4-page pool: two requests fit at admission, but crossing the 512 boundary while
     # decoding needs a checkpoint and a new block, so one is preempted and recomputed later.
@@ -229,6 +231,7 @@ def test_pallas_decode_kernels_swap_in(plain):
     assert 0 < e.metrics["spec_accepted"] < e.metrics["spec_proposed"]
 
 
+@pytest.mark.slow  # CI time: the reference engine; the Pallas prefill is tested on its own in CI
 def test_pallas_prefill_kernel_swaps_in(plain):
     """The Pallas prefill kernel (the GPU kernels, interpreted on CPU) injected through
     ``Kernels`` serves the same greedy tokens as the XLA path, prefix cache on (second turn)."""

@@ -85,7 +85,7 @@ def test_params_go_with_a_config():
 
 
 @pytest.mark.parametrize("budget,async_dispatch", [  # 256 (CI time): the module engine's own budget is 64
-    (16, True), pytest.param(256, False, marks=pytest.mark.slow), (8192, True)])
+    (16, True), pytest.param(256, False, marks=pytest.mark.slow), pytest.param(8192, True, marks=pytest.mark.slow)])
 def test_token_budgets_give_the_same_tokens(budget, async_dispatch, greedy_reference):
     chunk = budget if budget == 8192 else min(budget, 64)  # 8192: every prompt whole in one step
     e = _engine(token_budget=budget, max_chunk=chunk, prefill_buckets=(min(budget, chunk * 2),),

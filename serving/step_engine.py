@@ -23,15 +23,17 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
-from k3jax.model.pool import PoolLayout
 from k3jax.model.loader import HFCheckpoint
+from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
                               pack_batch, prepare_layer, prepare_params, stack_layers, unflatten_batch)
 from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, local_config, local_layout,
                                          param_specs, place_streamed, put_global, shard_params, shard_step)
+from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from pallas_kernels.mla.paged_decode import TILE as PAGED_MLA_TILE
+from pallas_kernels.mla.paged_decode import paged_mla_decode
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
@@ -304,8 +306,6 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
     if (backend or jax.default_backend()) != "gpu":
         return kernels
-    from pallas_kernels.kda.decode_pages import kda_decode_pages
-    from pallas_kernels.mla import paged_mla_decode
     return dataclasses.replace(kernels, mla_decode=paged_mla_decode, kda_decode=kda_decode_pages)
 
 

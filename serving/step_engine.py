@@ -59,7 +59,6 @@ def load_on_mesh(path: str, dtype, plan: MeshPlan, scan_layers: bool):
     MXFP4 experts stay packed)."""
     ck = HFCheckpoint(path, keep_mxfp4=True)
     cfg = ck.cfg
-    plan.check(cfg)
     top = prepare_params(cfg, {**ck.top(), "layers": []}, dtype)
     params, specs = place_streamed(cfg, top, lambda i: prepare_layer(cfg, i, ck.layer(i), dtype), plan, scan_layers)
     ck.check_all_taken()

@@ -547,6 +547,12 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     return linear(o, p["o"]), pool
 
 
+def _ragged(kernels: StepKernels, a, w, sizes):
+    """``kernels.ragged_dot`` of rows ``a`` sorted by group and a dense stack ``w``, float32 out."""
+    a, w, prec = _operands(a, w)
+    return kernels.ragged_dot(a, w, sizes, preferred_element_type=f32, precision=prec)
+
+
 def grouped_mxfp4(kernels: StepKernels, a, w: MXFP4, sizes, dtype):
     """``kernels.ragged_dot(a, dequantize(w), sizes)`` (rows ``a [M, K]`` sorted by group,
     ``sizes i32[E]``; rows past the groups give zeros) without the whole dequantised ``w`` at
@@ -557,8 +563,7 @@ def grouped_mxfp4(kernels: StepKernels, a, w: MXFP4, sizes, dtype):
     per = K * N * jnp.dtype(dtype).itemsize
     G = max((g for g in range(1, E + 1) if E % g == 0 and g * per <= kernels.mxfp4_block_bytes), default=1)
     if G == E:
-        b, wd, prec = _operands(a, dequantize(w, dtype))
-        return kernels.ragged_dot(b, wd, sizes, preferred_element_type=f32, precision=prec)
+        return _ragged(kernels, a, dequantize(w, dtype), sizes)
     M, R = a.shape[0], min(a.shape[0], 512)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
@@ -572,8 +577,7 @@ def grouped_mxfp4(kernels: StepKernels, a, w: MXFP4, sizes, dtype):
         def tile(carry):
             r0, out = carry
             tile_sizes = (jnp.clip(e0 - r0, 0, R) - jnp.clip(s0 - r0, 0, R)).astype(i32)
-            b, wt, prec = _operands(jax.lax.dynamic_slice_in_dim(a, r0, R), wd)
-            y = kernels.ragged_dot(b, wt, tile_sizes, preferred_element_type=f32, precision=prec)
+            y = _ragged(kernels, jax.lax.dynamic_slice_in_dim(a, r0, R), wd, tile_sizes)
             keep = (jnp.arange(R) < hi - r0)[:, None]
             y = jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, r0, R))  # the next block's rows stay
             return r0 + R, jax.lax.dynamic_update_slice_in_dim(out, y, r0, 0)
@@ -618,10 +622,7 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     tok = order // cfg.num_experts_per_tok
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(i32)
     def grouped(a, w):
-        if isinstance(w, MXFP4):
-            return grouped_mxfp4(kernels, a, w, sizes, x.dtype)
-        a, w, prec = _operands(a, w)
-        return kernels.ragged_dot(a, w, sizes, preferred_element_type=f32, precision=prec)
+        return grouped_mxfp4(kernels, a, w, sizes, x.dtype) if isinstance(w, MXFP4) else _ragged(kernels, a, w, sizes)
 
     h = grouped(z[tok], gate_up)
     y = grouped(glu(cfg, h[:, :I], h[:, I:]), down)
@@ -693,7 +694,8 @@ def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int, int], ...]:
 
 
 @partial(jax.jit, donate_argnums=0)
-def _set_layer(stacked, n, layer):
+def set_layer(stacked, n, layer):
+    """``stacked`` (layers along a leading axis) with ``layer`` at ``n``."""
     return jax.tree.map(lambda s, x: s.at[n].set(x), stacked, layer)
 
 
@@ -710,7 +712,7 @@ def stack_layers(cfg: ModelConfig, params):
             first = layers[s + j]
             tree = jax.tree.map(lambda a: jnp.zeros((c, *a.shape), a.dtype), first)
             for n in range(c):
-                tree = _set_layer(tree, n, layers[s + n * P + j])
+                tree = set_layer(tree, n, layers[s + n * P + j])
                 layers[s + n * P + j] = None
             group.append(tree)
         stacked.append(group)

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.model.config import ModelConfig
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import Parallel, layer_runs
+from k3jax.model.step import Parallel, layer_runs, set_layer
 
 DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 
@@ -259,10 +259,6 @@ def place_layer(cfg: ModelConfig, layer, plan: MeshPlan):
     return shard_params(cfg, {"layers": [layer]}, plan)[0]["layers"][0]
 
 
-def _set_layer(stacked, n, layer):
-    return jax.tree.map(lambda s, x: s.at[n].set(x), stacked, layer)
-
-
 def place_streamed(cfg: ModelConfig, top, layer_of, plan: MeshPlan, scan: bool = True):
     """Serving params on the mesh built one layer at a time: ``top`` (the prepared params outside
     the layers) and ``layer_of(i)``, layer ``i`` prepared in host memory, placed before the next
@@ -282,11 +278,11 @@ def place_streamed(cfg: ModelConfig, top, layer_of, plan: MeshPlan, scan: bool =
             shardings = jax.tree.map(lambda a: NamedSharding(plan.mesh, P(None, *a.sharding.spec)), first)
             stack = jax.jit(lambda t: jax.tree.map(lambda a: jnp.zeros((c, *a.shape), a.dtype), t),
                             out_shardings=shardings)(first)
-            set_layer = jax.jit(_set_layer, donate_argnums=0, out_shardings=shardings)  # in place, sharded
-            stack = set_layer(stack, 0, first)
+            put = jax.jit(set_layer, donate_argnums=0, out_shardings=shardings)  # in place, sharded
+            stack = put(stack, 0, first)
             del first
             for n in range(1, c):
-                stack = set_layer(stack, n, place_layer(cfg, layer_of(s + n * per + j), plan))
+                stack = put(stack, n, place_layer(cfg, layer_of(s + n * per + j), plan))
             group.append(stack)
         stacked.append(group)
     params = dict(params, layers=layers, runs=stacked) if scan else dict(params, layers=layers)

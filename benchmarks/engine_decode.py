@@ -5,7 +5,10 @@ bandwidth; ``benchmarks.model_step``), on a random bf16 model (default: the firs
 ``B`` requests of ``--prompt`` random tokens are prefilled, then ``--steps`` engine steps of pure
 decode are timed (``StepEngine.step``: plan, pack, dispatch, read back, emit; async dispatch on).
 The bare step is the engine's own compiled decode bucket called back to back on one packed batch
-of ``B`` rows at the same context (no scheduler, no packing, no read-back but the last).
+of ``B`` rows at the same context (no scheduler, no packing, no read-back but the last). Where
+the engine's time goes: the host's work and its wait per step (timed around the read-back), and
+on a GPU each side's kernel time per step from a profile (``device_busy``: the engine's kernel
+time over its step time).
 
 Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_decode`` (writes ``$OUT/engine_decode.json``);
 on several GPUs (issue 55) ``--tensor 2`` or ``--expert 2`` beside a run without, for tokens/s per GPU.
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import write_json
+from benchmarks.common import device_seconds, write_json
 from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, sliced_config
 from k3jax.model import init_params
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
@@ -31,8 +34,14 @@ from k3jax.parallel.sharded_step import step_mesh
 from serving.step_engine import StepEngine
 
 
-def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0) -> float:
-    """Milliseconds per engine step once ``B`` requests of ``prompt`` tokens all decode."""
+PROFILED_STEPS = 20
+
+
+def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0) -> tuple[float, float, float]:
+    """Milliseconds per engine step once ``B`` requests of ``prompt`` tokens all decode; of them
+    the milliseconds the host waited for the device (the rest is host work); and the device's
+    kernel milliseconds per step from a profile of :data:`PROFILED_STEPS` more (0 without a GPU).
+    Kernel time over step time is the fraction of the step the device is busy."""
     rng = np.random.default_rng(seed)
     sp = SamplingParams(max_tokens=engine.max_len - prompt)
     reqs = [engine.submit(rng.integers(3, engine.cfg.vocab_size, prompt).tolist(), sp) for _ in range(B)]
@@ -40,20 +49,33 @@ def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: 
         engine.step()
     for _ in range(3):
         engine.step()
+    waited = [0.0]
+    fetch = engine.runner.fetch
+
+    def timed_fetch(handle, logprobs=False):
+        t = time.perf_counter()
+        jax.block_until_ready(handle[0].tokens)
+        waited[0] += time.perf_counter() - t
+        return fetch(handle, logprobs)
+
+    engine.runner.fetch = timed_fetch
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     dt = time.perf_counter() - t0
+    del engine.runner.fetch
+    device = device_seconds(engine.step, PROFILED_STEPS) * 1e3
     for r in reqs:
         engine.abort(r)
     engine.step()
     engine.step()
-    return dt / steps * 1e3
+    return dt / steps * 1e3, waited[0] / steps * 1e3, device
 
 
-def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> float:
+def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tuple[float, float]:
     """Milliseconds per call of the engine's compiled decode bucket for ``B`` rows at ``context``
-    (pages and slots taken from the top of the pool; run after :func:`engine_decode_ms`)."""
+    (pages and slots taken from the top of the pool; run after :func:`engine_decode_ms`), and its
+    kernel milliseconds per call from a profile (0 without a GPU)."""
     r = engine.runner
     nd, _, _ = r.bucket(B, 0)
     blocks = -(-(context + 1) // r.lay.page_tokens)
@@ -77,8 +99,10 @@ def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> floa
     for _ in range(steps):
         out = run()
     jax.block_until_ready(out)
+    dt = (time.perf_counter() - t0) / steps * 1e3
+    device = device_seconds(run, PROFILED_STEPS) * 1e3
     r.pool, r.last = state["pool"], state["last"]
-    return (time.perf_counter() - t0) / steps * 1e3
+    return dt, device
 
 
 def main():
@@ -103,19 +127,21 @@ def main():
     bandwidth = copy_bandwidth()
     rows = []
     for B in map(int, a.batches.split(",")):
-        max_len = a.prompt + 2 * a.steps + 64
+        max_len = a.prompt + 2 * a.steps + PROFILED_STEPS + 64
         t0 = time.perf_counter()
         engine = StepEngine((cfg, params), max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
                             prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),
                             num_pages=a.pages_per_row * B + 64, mesh=mesh)
         engine.warmup()
         startup = time.perf_counter() - t0
-        eng = engine_decode_ms(engine, B, a.prompt, a.steps)
-        bare = bare_decode_ms(engine, B, a.prompt + a.steps, a.steps)
+        eng, wait, eng_device = engine_decode_ms(engine, B, a.prompt, a.steps)
+        bare, bare_device = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps)
         r = engine.runner
         # one device's floor (on a mesh the bytes split unevenly: replicated latents, router)
         floor = decode_floor_bytes(cfg, r.params, r.lay, B, a.prompt + a.steps) / bandwidth * 1e3 if mesh is None else None
         rows.append({**base, "batch": B, "engine_step_ms": eng, "bare_step_ms": bare, "ratio": bare / eng,
+                     "host_ms": eng - wait, "wait_ms": wait, "engine_kernel_ms": eng_device,
+                     "bare_kernel_ms": bare_device, "device_busy": eng_device / eng,
                      "floor_ms": floor, "engine_of_floor": floor and floor / eng, "copy_GB_s": bandwidth / 1e9,
                      "engine_tokens_per_s": B / eng * 1e3, "tokens_per_s_per_device": B / eng * 1e3 / devices,
                      "startup_s": startup,

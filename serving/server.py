@@ -30,8 +30,8 @@ bounded waiting queue (429 with ``Retry-After``), a per-request deadline; a clie
 (streaming or not) has its requests aborted and their slots and pages freed. A request whose
 processing fails inside the engine fails alone (500 with the reason); the loop goes on.
 
-Engines: ``--engine reference`` (:class:`serving.engine.Engine`, the default) or ``--engine step``
-(:class:`serving.step_engine.StepEngine`); the server uses only their public interface (``submit``,
+Engines: ``--engine step`` (:class:`serving.step_engine.StepEngine`, the default) or ``--engine
+reference`` (:class:`serving.engine.Engine`, the golden float32 path); the server uses only their public interface (``submit``,
 ``step``, ``abort``, ``validate``, ``has_work``, ``fail_running``, ``stats``, ``num_waiting``,
 ``warmup``, ``metrics``).
 """
@@ -802,9 +802,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="tiny", help="'tiny' (embedded default), 'tiny-k3' (an embedded tiny Kimi K3) "
                                                      "or a Hugging Face checkpoint directory")
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    ap.add_argument("--engine", choices=("reference", "step"), default="reference",
-                    help="reference: serving.Engine (per-slot caches); "
-                         "step: serving.StepEngine (the serving step on the unified page pool)")
+    ap.add_argument("--engine", choices=("step", "reference"), default="step",
+                    help="step: serving.StepEngine (the serving step on the unified page pool; the default); "
+                         "reference: serving.Engine (the golden float32 path on per-slot caches)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-slots", type=int, default=4, help="requests decoded together")

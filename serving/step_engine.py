@@ -256,10 +256,12 @@ class Runner:
         if self.channel is not None and is_lead():
             self.channel.send((-1, 0, 0))
 
-    def dispatch(self, plans: list[StepPlan]) -> list:
+    def dispatch(self, plans: list[StepPlan], logprobs: bool = False) -> list:
         """Start one step for ``plans`` (one per lane; JAX dispatches asynchronously) and return
         a handle per lane for :meth:`fetch`. The step's bucket holds the largest lane's plan. A
-        decode row's token -1 is read on the device from its slot's last sample."""
+        decode row's token -1 is read on the device from its slot's last sample. The results'
+        copies to the host (``logprobs``: theirs too) start as soon as the step ends, so that
+        reading them does not wait for a step dispatched after this one."""
         key = self.bucket(max(len(p.decode) for p in plans), max(sum(len(r.tokens) for r in p.prefill) for p in plans),
                           any(len(r.tokens) > 1 for p in plans for r in p.decode))
         if key not in self.compiled:
@@ -267,6 +269,10 @@ class Runner:
             self.compiled.add(key)
             log.warning("compiling step (decode rows %d, prefill tokens %d, window %d) while serving", *key)
         out = self._call(*key, [(p.decode, p.prefill) for p in plans])
+        for x in (out.tokens, out.accepted, out.window) + ((out.logprob, out.top_ids, out.top_logprobs) if logprobs
+                                                            else ()):
+            if x is not None:
+                x.copy_to_host_async()
         nd = key[0]
         return [(out, np.array(list(range(len(p.decode))) + [nd + i for i in range(len(p.prefill))], np.int32),
                  lane if self._stacked else None) for lane, p in enumerate(plans)]
@@ -488,7 +494,7 @@ class StepEngine(EngineBase):
         launched = None
         if any(p.requests for p in plans):
             want_lp = any(r.sp.logprobs is not None for p in plans for r in p.requests)
-            launched = (plans, self.runner.dispatch(plans), want_lp, time.perf_counter())
+            launched = (plans, self.runner.dispatch(plans, want_lp), want_lp, time.perf_counter())
             for s, p in zip(self.scheds, plans):
                 s.advance(p)
         previous, self._inflight = self._inflight, launched

@@ -624,20 +624,20 @@ def test_parallel_flags_build_a_sharded_step_engine():
     --data-parallel 2 instead of the expert axis: two lanes; the reference engine refuses the flags."""
     flags = ["--max-slots", "2", "--max-len", "128", "--prefill-chunk", "32", "--tensor-parallel", "2",
              "--expert-parallel", "2"]
-    engine = make_engine(parser().parse_args(["--engine", "step", *flags, "--context-parallel-from", "32"]))
+    engine = make_engine(parser().parse_args([*flags, "--context-parallel-from", "32"]))  # the default engine
     assert dict(engine.runner.plan.mesh.shape) == {"tensor": 2, "expert": 2} and engine.runner.context_from == 32
     assert len(engine.runner.pool.sharding.device_set) == 4
     engine = make_engine(parser().parse_args(["--engine", "step", *flags[:-2], "--data-parallel", "2"]))
     assert dict(engine.runner.plan.mesh.shape) == {"data": 2, "tensor": 2} and len(engine.scheds) == 2
     with pytest.raises(ValueError, match="need --engine step"):
-        make_engine(parser().parse_args(flags))
+        make_engine(parser().parse_args(["--engine", "reference", *flags]))
 
 
 @pytest.fixture(scope="module")
 def step_server():
-    """k3jax-serve --engine step --speculative 2 on the tiny model, with one decode and one prefill
+    """k3jax-serve --speculative 2 (the step engine, the default) on the tiny model, with one decode and one prefill
     bucket (five compiled steps: decode windows of 1 and 3 tokens)."""
-    args = parser().parse_args(["--engine", "step", "--max-slots", "2", "--max-len", "128", "--prefill-chunk", "32",
+    args = parser().parse_args(["--max-slots", "2", "--max-len", "128", "--prefill-chunk", "32",
                                 "--max-prefill-rows", "1", "--decode-buckets", "2", "--prefill-buckets", "32",
                                 "--speculative", "2"])
     engine = make_engine(args)

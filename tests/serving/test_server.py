@@ -680,3 +680,60 @@ def test_step_engine_serves(step_server):
     assert engine.runner.compiles_while_serving == 0
     st = engine.stats()
     assert st["running"] == 0 and st["waiting"] == 0 and not app.loop.tracked
+
+
+def step_idle(engine: StepEngine) -> bool:
+    return all(not s.running and not s.waiting and not s.pool.refcount.any() for s in engine.scheds)
+
+
+def test_step_engine_isolates_failures_disconnects_and_load(step_server, monkeypatch):
+    """The default engine behind the server: a step that raises fails only its requests (500 with
+    the reason) and the loop serves on; a client that goes away mid-stream has its request
+    aborted; 64 concurrent clients all get answers; afterwards no request, page or tracked entry
+    is left."""
+    port, engine, app = step_server
+    real_dispatch = engine.runner.dispatch
+    calls = {"n": 0}
+
+    def broken_once(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected step failure")
+        return real_dispatch(*args, **kw)
+
+    monkeypatch.setattr(engine.runner, "dispatch", broken_once)
+    status, resp = post(port, {"prompt": "Hello", "max_tokens": 5})
+    assert status == 500 and "injected step failure" in resp["error"]["message"]
+    status, resp = post(port, {"prompt": "Hello, KDA!", "max_tokens": 5, "ignore_eos": True})
+    assert status == 200 and len(resp["choices"][0]["token_ids"]) == 5 and get(port, "/health")[0] == 200
+    assert "k3jax_engine_step_failures_total 1.0" in get(port, "/metrics")[1]
+    monkeypatch.undo()
+
+    def slow_dispatch(*args, **kw):  # 100 tokens take seconds: the disconnect is seen before the last one
+        time.sleep(0.02)
+        return real_dispatch(*args, **kw)
+
+    monkeypatch.setattr(engine.runner, "dispatch", slow_dispatch)
+    before = engine.metrics["requests_aborted"]
+    s = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"prompt": "leave me", "max_tokens": 100, "ignore_eos": True, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while b"data: {" not in got:  # the first token arrived
+        got += s.recv(4096)
+    s.close()
+    deadline = time.time() + 30
+    while engine.metrics["requests_aborted"] == before and time.time() < deadline:
+        time.sleep(0.02)
+    assert engine.metrics["requests_aborted"] == before + 1
+    monkeypatch.undo()
+
+    results = asyncio.run(load(port, 64, 64))
+    assert len(results) == 64 and all(s == 200 for s, _, _ in results)
+    deadline = time.time() + 30
+    while not step_idle(engine) and time.time() < deadline:
+        time.sleep(0.02)
+    assert step_idle(engine) and not app.loop.tracked and engine.runner.compiles_while_serving == 0
+    for sched in engine.scheds:
+        sched.cache.check_invariants()

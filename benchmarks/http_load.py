@@ -3,7 +3,7 @@ each concurrency, throughput, p50/p99 latency and errors (connection failures an
 the server process's threads and resident memory after each level, against after the warm-up
 (the server runs in this process; the load is one asyncio loop, no client threads).
 
-Run: ``PYTHONPATH=$PWD python3 -m benchmarks.http_load [--engine step] [--rounds N]`` (writes
+Run: ``PYTHONPATH=$PWD python3 -m benchmarks.http_load [--engine reference] [--rounds N]`` (writes
 ``$OUT/http_load.json``).
 """
 
@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--engine", choices=("reference", "step"), default="reference")
+    ap.add_argument("--engine", choices=("step", "reference"), default="step")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each concurrency level")
     a = ap.parse_args()
     engine = make_engine(parser().parse_args(["--engine", a.engine, "--max-slots", "4", "--max-len", "2048",

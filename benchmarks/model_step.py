@@ -23,6 +23,7 @@ from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (PREFILL_TILE, Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params,
                               stack_layers)
+from pallas_kernels.moe import mxfp4_grouped_matmul
 
 BF16_PEAK = 790e12
 
@@ -255,6 +256,9 @@ def main():
                     help="prefill attention over keys and values expanded from the latents, not over the latents")
     ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (Kimi K3's checkpoint); "
                     "the K3 slice: --config configs/kimi_k3.json --layers 4 --mxfp4")
+    ap.add_argument("--fused-mxfp4", action="store_true",
+                    help="with --mxfp4: each decode batch again with the routed experts read in place by the fused "
+                         "kernel (pallas_kernels.moe.mxfp4_grouped_matmul) instead of gathered and dequantised")
     a = ap.parse_args()
     cfg = sliced_config(a.config, a.layers)
     meta = {"config": a.config, "layers": cfg.num_layers, "date": datetime.date.today().isoformat(),
@@ -283,8 +287,11 @@ def main():
     kernels = kernels_for(cfg, a.ragged, a.paged_mla, a.paged_kda)
     if a.expanded_prefill:
         kernels = dataclasses.replace(kernels, expand_prefill_from=1024)
+    fused = dataclasses.replace(kernels, mxfp4_matmul=mxfp4_grouped_matmul)
     for B in map(int, a.batches.split(",")):
         emit(bench_decode(cfg, params, kernels, B, a.context, a.steps, bw, a.profile))
+        if a.fused_mxfp4:
+            emit({**bench_decode(cfg, params, fused, B, a.context, a.steps, bw, a.profile), "fused_mxfp4": True})
     if a.prefill:
         emit(bench_prefill(cfg, params, kernels, a.prefill))
     if a.old_engine:

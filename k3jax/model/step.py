@@ -99,6 +99,10 @@ class StepKernels:
     mla_decode: Callable | None = None
     kda_decode: Callable | None = None
     mxfp4_block_bytes: int = 1 << 30  # the most bytes of packed experts dequantised at once (see grouped_mxfp4)
+    # MXFP4 experts of a decode step (fewer routed slots than experts): a grouped matmul that
+    # dequantises in registers, the contract of pallas_kernels.moe.mxfp4_grouped_matmul (None:
+    # gather the routed experts still packed, then grouped_mxfp4)
+    mxfp4_matmul: Callable | None = None
     # prefill buckets of at least this many tokens attend over expanded keys and values (prefill_attention;
     # None: never, until it is measured faster on a GPU)
     expand_prefill_from: int | None = None
@@ -592,7 +596,8 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).
     Packed MXFP4 experts are dequantised to ``x``'s dtype (the step's weight dtype) right before
     their grouped matmul, a block of them at a time (:func:`grouped_mxfp4`); with fewer routed
-    slots than experts (a decode step), only the experts the tokens route to. Under
+    slots than experts (a decode step), only the experts the tokens route to (gathered, or read
+    in place by ``kernels.mxfp4_matmul``). Under
     ``par.experts`` the device holds experts ``[first, first + E)`` of the router's: it
     multiplies only the tokens routed to them (the rest sort last, outside every group, and
     weigh 0), and the routed sums are added over those axes. Under
@@ -613,16 +618,23 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
         w, idx = jnp.where(mine, w, 0.0), jnp.where(mine, idx, E)
     flat = idx.reshape(-1)
     gate_up, down = p["gate_up"], p["down"]
-    if isinstance(gate_up, MXFP4) and flat.shape[0] < E:  # the routed experts, gathered still packed
+    used = None  # the expert of each group, where the groups are the routed experts
+    if isinstance(gate_up, MXFP4) and flat.shape[0] < E:  # the routed experts only
         used = jnp.unique(flat, size=flat.shape[0], fill_value=E)  # sorted; E: another device's, or none
         flat = jnp.where(flat < E, jnp.searchsorted(used, flat), flat.shape[0]).astype(i32)  # order kept
-        gate_up, down = (jax.tree.map(lambda a: a[jnp.minimum(used, E - 1)], w) for w in (gate_up, down))
+        if kernels.mxfp4_matmul is None:  # gathered still packed
+            gate_up, down = (jax.tree.map(lambda a: a[jnp.minimum(used, E - 1)], w) for w in (gate_up, down))
         E = flat.shape[0]  # the groups: one per routed slot, the unused ones empty
     order = jnp.argsort(flat)
     tok = order // cfg.num_experts_per_tok
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(i32)
+
     def grouped(a, w):
-        return grouped_mxfp4(kernels, a, w, sizes, x.dtype) if isinstance(w, MXFP4) else _ragged(kernels, a, w, sizes)
+        if not isinstance(w, MXFP4):
+            return _ragged(kernels, a, w, sizes)
+        if used is not None and kernels.mxfp4_matmul is not None:
+            return kernels.mxfp4_matmul(a.astype(x.dtype), w.packed, w.scale, sizes, used)
+        return grouped_mxfp4(kernels, a, w, sizes, x.dtype)
 
     h = grouped(z[tok], gate_up)
     y = grouped(glu(cfg, h[:, :I], h[:, I:]), down)

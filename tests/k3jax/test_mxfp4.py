@@ -15,6 +15,7 @@ from k3jax.model.mxfp4 import MXFP4, dequantize
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (Row, StepKernels, grouped_mxfp4, jit_step, pack_batch, prepare_params,
                               stack_layers)
+from pallas_kernels.moe import mxfp4_grouped_matmul
 from tests.helpers import rel_rms
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden", "k3_tiny_mxfp4")
@@ -136,9 +137,9 @@ def _step_logits(cfg, params, ids, scan, kernels=StepKernels()):
 @pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])  # unrolled: test_step covers it
 def test_step_on_packed_experts(loads, scan):
     """The serving step dequantising packed experts in its MoE (all of them in the prefill step;
-    in the decode steps only those the tokens route to) gives the logits of the step on the
-    dequantised load (float32), layers unrolled and scanned (the packed experts stacked); row
-    0's are the golden ones (a prefix of its sequence)."""
+    in the decode steps only those the tokens route to, gathered or read in place by the fused
+    kernel) gives the logits of the step on the dequantised load (float32), layers unrolled and
+    scanned (the packed experts stacked); row 0's are the golden ones (a prefix of its sequence)."""
     (cfg, dense), (_, packed) = loads
     g = np.load(os.path.join(GOLDEN, "golden.npz"))
     ids = g["token_ids_0"].tolist()
@@ -146,3 +147,6 @@ def test_step_on_packed_experts(loads, scan):
     got = _step_logits(cfg, packed, ids, scan, StepKernels(mxfp4_block_bytes=1 << 15))  # a few experts at a time
     assert rel_rms(got, want) < 1e-5
     np.testing.assert_allclose(got[:, 0], g["logits_0"][19:23], atol=2e-3)
+    if scan:  # the decode steps' routed experts read in place by the fused kernel (interpreted)
+        fused = _step_logits(cfg, packed, ids, scan, StepKernels(mxfp4_matmul=mxfp4_grouped_matmul))
+        assert rel_rms(fused, want) < 1e-5

@@ -31,9 +31,9 @@ bounded waiting queue (429 with ``Retry-After``), a per-request deadline; a clie
 processing fails inside the engine fails alone (500 with the reason); the loop goes on.
 
 Engines: ``--engine step`` (:class:`serving.step_engine.StepEngine`, the default) or ``--engine
-reference`` (:class:`serving.engine.Engine`, the golden float32 path); the server uses only their public interface (``submit``,
-``step``, ``abort``, ``validate``, ``has_work``, ``fail_running``, ``stats``, ``num_waiting``,
-``warmup``, ``metrics``).
+reference`` (:class:`serving.engine.Engine`, the golden float32 path); the server uses only their
+public interface (``submit``, ``step``, ``abort``, ``validate``, ``has_work``, ``fail_running``,
+``stats``, ``num_waiting``, ``warmup``, ``metrics``).
 """
 
 from __future__ import annotations

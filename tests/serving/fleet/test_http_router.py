@@ -20,10 +20,10 @@ from serving.http_base import BackgroundServer
 
 
 def _start_backend():
-    # Prefill pieces up to 16 tokens: what the prompts here use, so warm-up compiles no more.
+    # One decode and one prefill bucket (the prompts here fit 32 tokens), so warm-up compiles little.
     return subprocess.Popen(
         [sys.executable, "-m", "serving.server", "--port", "0", "--max-slots", "2", "--max-len", "256",
-         "--prefill-chunk", "16"],
+         "--prefill-chunk", "32", "--max-prefill-rows", "1", "--decode-buckets", "2", "--prefill-buckets", "32"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

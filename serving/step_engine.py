@@ -34,6 +34,7 @@ from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from pallas_kernels.mla.paged_decode import TILE as PAGED_MLA_TILE
 from pallas_kernels.mla.paged_decode import paged_mla_decode
+from pallas_kernels.moe.mxfp4_matmul import mxfp4_grouped_matmul
 from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
@@ -300,18 +301,21 @@ class Runner:
 
 def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKernels:
     """The step's device ops when none are given: on a GPU the Pallas prefill (as
-    :func:`serving.engine.default_kernels`) and the Pallas decode kernels on pages
-    (``paged_mla_decode``, ``kda_decode_pages``); the XLA paths elsewhere (the kernels' TPU
-    versions are not yet measured on a TPU).
+    :func:`serving.engine.default_kernels`), the Pallas decode kernels on pages
+    (``paged_mla_decode``, ``kda_decode_pages``) and, for MXFP4 experts, the decode step's grouped
+    matmul that dequantises in registers (``mxfp4_grouped_matmul``); the XLA paths elsewhere (the
+    kernels' TPU versions are not yet measured on a TPU).
 
     The decode kernels became the GPU default once the engine ran on them on its default pool
     (2^31 words) on an H100 on 2026-12-07 (``benchmarks.engine_check --paged both --pages 0``):
     the CUDA illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed
-    in 38a9a4c)."""
+    in 38a9a4c). The MXFP4 matmul became the default after it measured 2.4-25x faster than
+    gathering the routed experts on the K3 slice (H100, 2026-12-07, docs/benchmarks.md)."""
     kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
     if (backend or jax.default_backend()) != "gpu":
         return kernels
-    return dataclasses.replace(kernels, mla_decode=paged_mla_decode, kda_decode=kda_decode_pages)
+    return dataclasses.replace(kernels, mla_decode=paged_mla_decode, kda_decode=kda_decode_pages,
+                               mxfp4_matmul=mxfp4_grouped_matmul)
 
 
 class StepEngine(EngineBase):

@@ -2,11 +2,11 @@
 each query reads only its own context's pages, tile by tile, with an online softmax, instead of
 gathering the batch's whole context bucket (the pure-JAX step's form).
 
-GPU kernel on the Pallas Triton lowering (interpreted on CPU for tests). Grid ``(Q, S)``: one
-program per (query row, split of its context); a program walks its split in tiles of ``tile``
-tokens, loads each tile's latent rows from the row's page (the page id from the block table),
-and keeps ``m``, ``l`` and the weighted latent sum ``acc [H, L]`` in registers; the splits are
-merged afterwards (flash decoding). The TPU (Mosaic) version, with the same contract, is
+GPU kernel on the Pallas Triton lowering (interpreted on CPU for tests). Grid ``(Q, S, heads /
+block)``: one program per (query row, split of its context, block of heads, :func:`head_block`);
+a program walks its split in tiles of ``tile`` tokens, loads each tile's latent rows from the
+row's page (the page id from the block table), and keeps ``m``, ``l`` and the weighted latent sum
+``acc [block, L]`` in registers; the splits are merged afterwards (flash decoding). The TPU (Mosaic) version, with the same contract, is
 :mod:`pallas_kernels.mla.paged_decode_tpu` (``backend="tpu"``).
 """
 
@@ -32,11 +32,12 @@ TILE = 64  # context tokens a program scores at a time (page_tokens must be a mu
 def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l_ref, *, page_tokens: int, tile: int,
             per_split: int, scale: float, L: int, H: int, dtype):
     q, sp = pl.program_id(0), pl.program_id(1)
+    heads = pl.ds(pl.program_id(2) * H, H)  # this program's block of H heads
     lo = sp * per_split
     hi = jnp.minimum(lo + per_split, len_ref[q])
     base = layer_ref[0] * page_tokens
     parts = ql_ref.shape[0]  # values per word
-    qs = [ql_ref[j, q] for j in range(parts)] + [qr_ref[j, q] for j in range(parts)]  # [H, L / parts], [H, R / parts]
+    qs = [ql_ref[j, q, heads] for j in range(parts)] + [qr_ref[j, q, heads] for j in range(parts)]  # [H, n / parts]
     dot = functools.partial(jnp.dot, preferred_element_type=_F32,
                             precision=jax.lax.Precision.HIGHEST if dtype == _F32 else None)
 
@@ -60,9 +61,20 @@ def _kernel(bt_ref, len_ref, layer_ref, ql_ref, qr_ref, lat_ref, o_ref, m_ref, l
     init = (jnp.full((H,), -jnp.inf, _F32), jnp.zeros((H,), _F32), (jnp.zeros((H, L // parts), _F32),) * parts)
     m, l, acc = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), tile), body, init)
     for j in range(parts):
-        o_ref[q, sp, j] = acc[j]
-    m_ref[q, sp] = m
-    l_ref[q, sp] = l
+        o_ref[q, sp, j, heads] = acc[j]
+    m_ref[q, sp, heads] = m
+    l_ref[q, sp, heads] = l
+
+
+def head_block(H: int) -> int:
+    """Heads one program scores (Triton's arrays are powers of two, its dots at least 16 rows):
+    all of them when that is a power of two up to 64 (at least 16), else 32 at a time (K3's 96
+    heads: three blocks; the heads are padded to a whole number of blocks). Each block reads the
+    row's latents again, so fewer, larger blocks read less; 32 keeps the accumulator in registers."""
+    n = max(H, 16)
+    if n <= 64 and n & (n - 1) == 0:
+        return n
+    return 32 if H > 32 else 1 << (n - 1).bit_length()
 
 
 @functools.partial(jax.jit, static_argnames=("page_tokens", "scale", "tile", "splits", "interpret", "backend"))
@@ -99,17 +111,18 @@ def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, pa
     if page_tokens % tile:
         raise ValueError(f"page_tokens {page_tokens} must be a multiple of tile {tile}")
     context = block_tables.shape[1] * page_tokens
+    hb = head_block(H)
+    Hp = -(-H // hb) * hb
     if splits is None:
-        splits = max(1, min(context // tile, -(-132 * 2 // max(Q, 1))))
+        splits = max(1, min(context // tile, -(-132 * 2 // max(Q * (Hp // hb), 1))))
     per_split = -(-context // splits // tile) * tile
-    Hp = max(H, 16)  # Triton dots take at least 16 rows
     # [Q, H, n] -> [parts, Q, Hp, n / parts]: the values each part of a word holds
     split = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0))).reshape(Q, Hp, -1, parts), -1, 0)
     out_shape = (jax.ShapeDtypeStruct((Q, splits, parts, Hp, L // parts), _F32),
                  jax.ShapeDtypeStruct((Q, splits, Hp), _F32), jax.ShapeDtypeStruct((Q, splits, Hp), _F32))
     kernel = functools.partial(_kernel, page_tokens=page_tokens, tile=tile, per_split=per_split, scale=scale, L=L,
-                               H=Hp, dtype=dtype)
-    acc, m, l = pl.pallas_call(kernel, grid=(Q, splits), out_shape=out_shape, interpret=interpret,
+                               H=hb, dtype=dtype)
+    acc, m, l = pl.pallas_call(kernel, grid=(Q, splits, Hp // hb), out_shape=out_shape, interpret=interpret,
                                name="paged_mla_decode")(
         block_tables.astype(jnp.int32), lengths.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
         split(q_lat), split(q_rope.astype(dtype)), latents)

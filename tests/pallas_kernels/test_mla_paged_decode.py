@@ -15,6 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout, latent_words, read_latents
 from pallas_kernels.mla import paged_mla_decode
+from pallas_kernels.mla.paged_decode import head_block
 from tests.helpers import triton_calls_for_h200
 
 
@@ -53,12 +54,12 @@ def _case(dtype, seed, H=2, L=32, R=16, page_tokens=64, blocks=3, N=12, Q=6):
 COMPILED = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype,splits,backend", [
-    (jnp.float32, 1, "gpu"), (jnp.float32, 3, "gpu"), (jnp.bfloat16, 2, "gpu"),
-    (jnp.float32, 1, "tpu"), (jnp.bfloat16, 1, "tpu"),
-    pytest.param(jnp.float32, 3, "compiled", marks=COMPILED), pytest.param(jnp.bfloat16, 2, "compiled", marks=COMPILED)])
-def test_paged_attention_matches_the_gathered_one(dtype, splits, backend):
-    lay, pool, bt, lengths, q_lat, q_rope = _case(dtype, seed=splits)
+@pytest.mark.parametrize("dtype,splits,backend,H", [  # 48 heads: two blocks of 32, the second padded
+    (jnp.float32, 1, "gpu", 2), (jnp.float32, 3, "gpu", 2), (jnp.bfloat16, 2, "gpu", 48),
+    (jnp.float32, 1, "tpu", 2), (jnp.bfloat16, 1, "tpu", 2),
+    pytest.param(jnp.float32, 3, "compiled", 2, marks=COMPILED), pytest.param(jnp.bfloat16, 2, "compiled", 96, marks=COMPILED)])
+def test_paged_attention_matches_the_gathered_one(dtype, splits, backend, H):
+    lay, pool, bt, lengths, q_lat, q_rope = _case(dtype, seed=splits, H=H)
     scale = 0.17
     interpret = {"tpu": pltpu.InterpretParams(detect_races=True), "gpu": True, "compiled": False}[backend]
     backend = None if backend == "compiled" else backend
@@ -113,10 +114,15 @@ def test_pools_past_32_bit_offsets_are_refused_by_both_gpu_decode_kernels():
                        ids, k, k, spec((4, 2, 16), jnp.float32), k, spec((4, 2), jnp.float32))
 
 
-def test_paged_attention_lowers_for_the_h200():
-    """jax.export for an abstract H200: the kernel is one Triton call at a Kimi-Linear-48B shape
-    (32 heads, L = 512, R = 64, bf16)."""
-    Q, H, L, R, N, rows, blocks = 8, 32, 512, 64, 16, 1024, 4
+def test_head_blocks_are_powers_of_two():
+    assert [head_block(H) for H in (1, 2, 16, 24, 32, 48, 64, 96, 128)] == [16, 16, 16, 32, 32, 32, 64, 32, 32]
+
+
+@pytest.mark.parametrize("H", [32, 96])
+def test_paged_attention_lowers_for_the_h200(H):
+    """jax.export for an abstract H200: the kernel is one Triton call at the Kimi-Linear-48B shape
+    (32 heads, L = 512, R = 64, bf16) and at Kimi K3's 96 heads (three blocks of 32)."""
+    Q, L, R, N, rows, blocks = 8, 512, 64, 16, 1024, 4
     spec = jax.ShapeDtypeStruct
     args = (spec((Q, H, L), jnp.bfloat16), spec((Q, H, R), jnp.bfloat16), spec((N, rows, (L + R) // 2), jnp.uint32),
             spec((Q, blocks), jnp.int32), spec((Q,), jnp.int32), spec((), jnp.int32))

@@ -434,14 +434,16 @@ def test_engine_with_context_parallel_prefill_gives_the_reference_tokens(greedy_
 
 
 def test_gpu_default_kernels_decode_on_pages_and_pages_hold_whole_tiles():
-    """On a GPU the engine's default kernels are the Pallas decode kernels on pages; with the
-    paged MLA kernel every page holds whole kernel tiles (without the prefix cache the page size
-    is otherwise a multiple of 16: 5840 tokens on the 48B shape failed the kernel on an H100)."""
+    """On a GPU the engine's default kernels are the Pallas decode kernels on pages and the MXFP4
+    matmul; with the paged MLA kernel every page holds whole kernel tiles (without the prefix
+    cache the page size is otherwise a multiple of 16: 5840 tokens on the 48B shape failed the
+    kernel on an H100)."""
     from pallas_kernels.mla.paged_decode import TILE
     cfg, _ = _model()
     gpu = step_engine.default_step_kernels(cfg, "gpu")
-    assert gpu.mla_decode is not None and gpu.kda_decode is not None
-    assert step_engine.default_step_kernels(cfg, "cpu").mla_decode is None
+    assert gpu.mla_decode is not None and gpu.kda_decode is not None and gpu.mxfp4_matmul is not None
+    cpu = step_engine.default_step_kernels(cfg, "cpu")
+    assert cpu.mla_decode is None and cpu.mxfp4_matmul is None
     paged = _engine(kernels=dataclasses.replace(StepKernels(), mla_decode=gpu.mla_decode), num_pages=None)
     plain = _engine(num_pages=None)
     assert paged.runner.lay.page_tokens % TILE == 0 and plain.runner.lay.page_tokens % TILE

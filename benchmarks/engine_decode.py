@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_seconds, write_json
+from benchmarks.common import kernel_seconds, write_json
 from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, sliced_config
 from k3jax.model import init_params
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
@@ -37,11 +37,11 @@ from serving.step_engine import StepEngine
 PROFILED_STEPS = 20
 
 
-def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0) -> tuple[float, float, float]:
+def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0) -> tuple[float, float, dict]:
     """Milliseconds per engine step once ``B`` requests of ``prompt`` tokens all decode; of them
     the milliseconds the host waited for the device (the rest is host work); and the device's
-    kernel milliseconds per step from a profile of :data:`PROFILED_STEPS` more (0 without a GPU).
-    Kernel time over step time is the fraction of the step the device is busy."""
+    seconds per step by kernel from a profile of :data:`PROFILED_STEPS` more (empty without
+    a GPU). Kernel time over step time is the fraction of the step the device is busy."""
     rng = np.random.default_rng(seed)
     sp = SamplingParams(max_tokens=engine.max_len - prompt)
     reqs = [engine.submit(rng.integers(3, engine.cfg.vocab_size, prompt).tolist(), sp) for _ in range(B)]
@@ -64,7 +64,7 @@ def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: 
         engine.step()
     dt = time.perf_counter() - t0
     del engine.runner.fetch
-    device = device_seconds(engine.step, PROFILED_STEPS) * 1e3
+    device = kernel_seconds(engine.step, PROFILED_STEPS)
     for r in reqs:
         engine.abort(r)
     engine.step()
@@ -72,10 +72,10 @@ def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: 
     return dt / steps * 1e3, waited[0] / steps * 1e3, device
 
 
-def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tuple[float, float]:
+def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tuple[float, dict]:
     """Milliseconds per call of the engine's compiled decode bucket for ``B`` rows at ``context``
     (pages and slots taken from the top of the pool; run after :func:`engine_decode_ms`), and its
-    kernel milliseconds per call from a profile (0 without a GPU)."""
+    device seconds per call by kernel from a profile (empty without a GPU)."""
     r = engine.runner
     nd, _, _ = r.bucket(B, 0)
     blocks = -(-(context + 1) // r.lay.page_tokens)
@@ -100,7 +100,7 @@ def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tupl
         out = run()
     jax.block_until_ready(out)
     dt = (time.perf_counter() - t0) / steps * 1e3
-    device = device_seconds(run, PROFILED_STEPS) * 1e3
+    device = kernel_seconds(run, PROFILED_STEPS)
     r.pool, r.last = state["pool"], state["last"]
     return dt, device
 
@@ -134,14 +134,17 @@ def main():
                             num_pages=a.pages_per_row * B + 64, mesh=mesh)
         engine.warmup()
         startup = time.perf_counter() - t0
-        eng, wait, eng_device = engine_decode_ms(engine, B, a.prompt, a.steps)
-        bare, bare_device = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps)
+        eng, wait, eng_kernels = engine_decode_ms(engine, B, a.prompt, a.steps)
+        bare, bare_kernels = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps)
+        eng_device, bare_device = sum(eng_kernels.values()) * 1e3, sum(bare_kernels.values()) * 1e3
+        extra = {k: (eng_kernels.get(k, 0) - bare_kernels.get(k, 0)) * 1e3 for k in {*eng_kernels, *bare_kernels}}
         r = engine.runner
         # one device's floor (on a mesh the bytes split unevenly: replicated latents, router)
         floor = decode_floor_bytes(cfg, r.params, r.lay, B, a.prompt + a.steps) / bandwidth * 1e3 if mesh is None else None
         rows.append({**base, "batch": B, "engine_step_ms": eng, "bare_step_ms": bare, "ratio": bare / eng,
                      "host_ms": eng - wait, "wait_ms": wait, "engine_kernel_ms": eng_device,
                      "bare_kernel_ms": bare_device, "device_busy": eng_device / eng,
+                     "engine_extra_kernel_ms": dict(sorted(extra.items(), key=lambda kv: -abs(kv[1]))[:6]),
                      "floor_ms": floor, "engine_of_floor": floor and floor / eng, "copy_GB_s": bandwidth / 1e9,
                      "engine_tokens_per_s": B / eng * 1e3, "tokens_per_s_per_device": B / eng * 1e3 / devices,
                      "startup_s": startup,

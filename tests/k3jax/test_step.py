@@ -274,6 +274,15 @@ def test_sampling_filters_and_seeds():
     tok, *_ = sample(lg, _sampling_batch(R, temperature=1.0, top_k=3), pos)
     top3 = np.argsort(-np.asarray(lg), axis=-1)[:, :3]
     assert all(int(t) in top3[r] for r, t in enumerate(np.asarray(tok)))
+    # Mixed rows (the filters run only for a batch with a drawn row that filters): greedy rows
+    # give the argmax, top-k 1 rows too, unfiltered hot rows draw outside it.
+    hot = jnp.arange(R) % 2 == 1
+    mixed = _sampling_batch(R, temperature=1.0, seed=3)
+    mixed = mixed._replace(temperature=jnp.where(hot, 50.0, 0.0), top_k=jnp.where(hot, 0, 5))
+    draws = np.stack([np.asarray(jax.jit(sample)(lg, mixed, pos + i)[0]) for i in range(4)])
+    assert (draws[:, ~hot] == greedy[~hot]).all() and (draws[:, hot] != greedy[hot]).any()
+    tok, *_ = sample(lg, mixed._replace(top_k=jnp.where(hot, 1, 0)), pos)
+    np.testing.assert_array_equal(np.asarray(tok), greedy)
 
 
 def test_sampled_distribution_matches_softmax():

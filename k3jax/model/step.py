@@ -54,9 +54,24 @@ def grouped_matmul(lhs, rhs, group_sizes, **kw):
     the default device (see :func:`_grouped_implementations`)."""
     import tokamax  # imported on first use: it pulls in its profiler tooling
 
-    impls = _grouped_implementations()
+    impls = implementations_for_widths(_grouped_implementations(), lhs.shape[-1], rhs.shape[-1])
+    if impls == ():
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kw)
     return tokamax.ragged_dot(lhs, rhs, group_sizes, implementation=impls, bypass_device_check=impls is not None,
                               **kw)
+
+
+MOSAIC_GPU_TILE = 32  # tokamax's Mosaic GPU ragged_dot fails to lower other widths (48: the tiny K3's latent)
+
+
+def implementations_for_widths(impls: tuple[str, ...] | None, k: int, n: int) -> tuple[str, ...] | None:
+    """``impls``, or only its XLA one when the contracted width ``k`` or the output width ``n``
+    is not a whole number of Mosaic GPU tiles: tokamax picks its Mosaic kernel for them and it
+    then fails to lower, past tokamax's fallback (an H100, 2026-12-07: "dimension 1 must have size
+    smaller or a multiple of its tiling 32, but got 48"). ``()``: none left, use ``jax.lax.ragged_dot``."""
+    if impls is None or (k % MOSAIC_GPU_TILE == 0 and n % MOSAIC_GPU_TILE == 0):
+        return impls
+    return tuple(i for i in impls if i == "xla")
 
 
 def import_kernel_libraries(kernels: "StepKernels"):
@@ -650,10 +665,14 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     return latent_moe_out(cfg, p, y, linear) + _psum(dense_mlp(cfg, p["shared"], x), par.tensor)
 
 
-def _top_k_top_p(x, batch: StepBatch):
-    """``x f32[R, V]`` with each row's tokens outside its top-k and its top-p nucleus at -inf
-    (``top_k = 0`` and ``top_p = 1`` keep all)."""
-    V = x.shape[-1]
+def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
+    """Per-row sampling of ``logits f32[R, V]``: greedy where ``temperature == 0``, else
+    temperature, top-k, top-p and a Gumbel draw keyed by ``fold_in(key(seed), position)``.
+    Returns ``(tokens i32[R], logprob f32[R], top_ids i32[R, n], top_logprobs f32[R, n])`` with
+    log-probabilities of the unfiltered, untempered distribution."""
+    V = logits.shape[-1]
+    greedy = batch.temperature <= 0
+    x = logits / jnp.where(greedy, 1.0, batch.temperature)[:, None]
     srt = jnp.sort(x, axis=-1)[:, ::-1]
     kth = jnp.take_along_axis(srt, jnp.clip(batch.top_k - 1, 0, V - 1)[:, None], axis=1)
     x = jnp.where((batch.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
@@ -663,31 +682,11 @@ def _top_k_top_p(x, batch: StepBatch):
     before = jnp.cumsum(p, axis=-1) - p
     kept = (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1)
     cut = jnp.min(jnp.where(kept, srt, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x < cut, -jnp.inf, x)
-
-
-def _draw(logits, batch: StepBatch, positions, greedy):
-    """Each row's token drawn at its temperature after its filters, by a Gumbel draw keyed by
-    ``fold_in(key(seed), position)``; the vocabulary sort only when some drawn row filters."""
-    V = logits.shape[-1]
-    x = logits / jnp.where(greedy, 1.0, batch.temperature)[:, None]
-    filters = jnp.any(~greedy & ((batch.top_k > 0) | (batch.top_p < 1)))
-    x = jax.lax.cond(filters, lambda x: _top_k_top_p(x, batch), lambda x: x, x)
+    x = jnp.where(x < cut, -jnp.inf, x)
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), t))(batch.seed, positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), f32))(keys)
-    return jnp.argmax(x + gumbel, axis=-1)
-
-
-def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
-    """Per-row sampling of ``logits f32[R, V]``: greedy where ``temperature == 0``, else
-    temperature, top-k, top-p and a Gumbel draw keyed by ``fold_in(key(seed), position)``; a
-    batch of greedy rows only does no vocabulary-wide sort or draw (a ``cond``).
-    Returns ``(tokens i32[R], logprob f32[R], top_ids i32[R, n], top_logprobs f32[R, n])`` with
-    log-probabilities of the unfiltered, untempered distribution."""
-    greedy = batch.temperature <= 0
-    best = jnp.argmax(logits, axis=-1)
-    drawn = jax.lax.cond(jnp.any(~greedy), lambda: _draw(logits, batch, positions, greedy), lambda: best)
-    tokens = jnp.where(greedy, best, drawn).astype(i32)
+    drawn = jnp.argmax(x + gumbel, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(i32)
     lp = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids.astype(i32), top_lp

@@ -16,8 +16,8 @@ import pytest
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint, logits
 from k3jax.model.pool import PoolLayout, read_kda, read_latents, write_kda, write_latents
 from k3jax.model.model import route
-from k3jax.model.step import (Row, StepBatch, StepKernels, jit_step, layer_runs, moe, pack_batch, prepare_params, sample,
-                              stack_layers)
+from k3jax.model.step import (Row, StepBatch, StepKernels, implementations_for_widths, jit_step, layer_runs, moe,
+                              pack_batch, prepare_params, sample, stack_layers)
 from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.mla import paged_mla_decode
 from tests.helpers import rel_rms
@@ -231,6 +231,15 @@ def test_step_on_golden_checkpoints(case):
         assert tok[0] == np.argmax(ref[t])
 
 
+def test_mosaic_ragged_dot_only_for_whole_tiles():
+    """tokamax's Mosaic GPU ragged_dot only where both widths are whole tiles (the tiny K3's
+    48-wide latent failed to lower on an H100); its XLA one otherwise."""
+    impls = ("mosaic", "triton", "xla")
+    assert implementations_for_widths(impls, 64, 32) == impls and implementations_for_widths(None, 48, 48) is None
+    assert implementations_for_widths(impls, 48, 64) == implementations_for_widths(impls, 64, 48) == ("xla",)
+    assert implementations_for_widths(("mosaic",), 48, 64) == ()
+
+
 @pytest.mark.parametrize("T", [1, 37])
 def test_grouped_moe_matches_per_token_experts(T):
     cfg, params = _tiny()
@@ -274,8 +283,7 @@ def test_sampling_filters_and_seeds():
     tok, *_ = sample(lg, _sampling_batch(R, temperature=1.0, top_k=3), pos)
     top3 = np.argsort(-np.asarray(lg), axis=-1)[:, :3]
     assert all(int(t) in top3[r] for r, t in enumerate(np.asarray(tok)))
-    # Mixed rows (the filters run only for a batch with a drawn row that filters): greedy rows
-    # give the argmax, top-k 1 rows too, unfiltered hot rows draw outside it.
+    # Mixed rows: greedy rows give the argmax, top-k 1 rows too, unfiltered hot rows draw outside it.
     hot = jnp.arange(R) % 2 == 1
     mixed = _sampling_batch(R, temperature=1.0, seed=3)
     mixed = mixed._replace(temperature=jnp.where(hot, 50.0, 0.0), top_k=jnp.where(hot, 0, 5))

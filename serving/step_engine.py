@@ -309,8 +309,9 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     The decode kernels became the GPU default once the engine ran on them on its default pool
     (2^31 words) on an H100 on 2026-12-07 (``benchmarks.engine_check --paged both --pages 0``):
     the CUDA illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed
-    in 38a9a4c). The MXFP4 matmul became the default after it measured 2.4-25x faster than
-    gathering the routed experts on the K3 slice (H100, 2026-12-07, docs/benchmarks.md)."""
+    in 38a9a4c). The MXFP4 matmul became the default after it measured 2.4x faster than
+    gathering the routed experts at batch 1 on the K3 slice (H100, 2026-12-07, docs/benchmarks.md);
+    the gathered path handles one expert per routed slot whatever the routing."""
     kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
     if (backend or jax.default_backend()) != "gpu":
         return kernels

@@ -6,8 +6,9 @@ GPU kernel on the Pallas Triton lowering (interpreted on CPU for tests). Grid ``
 block)``: one program per (query row, split of its context, block of heads, :func:`head_block`);
 a program walks its split in tiles of ``tile`` tokens, loads each tile's latent rows from the
 row's page (the page id from the block table), and keeps ``m``, ``l`` and the weighted latent sum
-``acc [block, L]`` in registers; the splits are merged afterwards (flash decoding). The TPU (Mosaic) version, with the same contract, is
-:mod:`pallas_kernels.mla.paged_decode_tpu` (``backend="tpu"``).
+``acc [block, L]`` in registers; the splits are merged afterwards (flash decoding). The TPU
+(Mosaic) version, with the same contract, is :mod:`pallas_kernels.mla.paged_decode_tpu`
+(``backend="tpu"``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import kernel_seconds, write_json
-from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, sliced_config
+from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, decode_tokens, sliced_config
 from k3jax.model import init_params
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
 from serving.engine import SamplingParams
@@ -74,9 +74,9 @@ def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: 
 
 def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tuple[float, dict]:
     """Milliseconds per call of the engine's compiled decode bucket for ``B`` rows at ``context``
-    (pages and slots taken from the top of the pool; run after :func:`engine_decode_ms`). Each
-    row decodes its own random token: rows of one token all route to the same experts, which
-    made the bare step's MoE about 1 ms cheaper than the engine's at batch 64 (H100). Returns its
+    (pages and slots taken from the top of the pool; run after :func:`engine_decode_ms`), each
+    row its own random token (:func:`benchmarks.model_step.decode_tokens`: one token for all made
+    the bare step's MoE about 1 ms cheaper than the engine's at batch 64 on an H100). Returns its
     device seconds per call by kernel from a profile (empty without a GPU)."""
     r = engine.runner
     nd, _, _ = r.bucket(B, 0)
@@ -84,9 +84,8 @@ def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tupl
     top = r.num_pages
     if top < B * (blocks + 1):
         raise ValueError(f"{top} pages cannot hold {B} rows of {blocks} pages and a state page each")
-    tokens = np.random.default_rng(1).integers(3, engine.cfg.vocab_size, B)  # routed as the engine's rows spread
-    rows = [Row([int(t)], context, list(range(top - (i + 1) * blocks, top - i * blocks)), slot=top - B * blocks - 1 - i)
-            for i, t in enumerate(tokens)]
+    rows = [Row([t], context, list(range(top - (i + 1) * blocks, top - i * blocks)), slot=top - B * blocks - 1 - i)
+            for i, t in enumerate(decode_tokens(engine.cfg, B))]
     batch = pack_batch(r.lay, rows, [], num_decode=nd, num_tokens=nd, num_rows=nd, max_blocks=r.max_blocks,
                        num_pages=r.num_pages, to_device=False)
     ints, floats = r.place(flatten_batch(batch))

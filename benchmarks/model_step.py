@@ -112,15 +112,20 @@ def timed_steps(run, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def decode_tokens(cfg, B: int) -> list[int]:
+    """A random token for each of ``B`` decode rows. Rows of one token over a zeroed pool route to
+    the same experts, so a step read k experts a layer where the floor counts those of uniform
+    routing (the bare steps before 2026-12-07)."""
+    return np.random.default_rng(1).integers(3, cfg.vocab_size, B).tolist()
+
+
 def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float, profile: bool = False) -> dict:
     lay = PoolLayout.for_model(cfg, token_multiple=512)
     blocks = -(-(ctx + 1) // lay.page_tokens)
     num_pages = B * (blocks + 1)
     pool = lay.allocate(num_pages)
-    # Each row its own random token: rows of one token over a zeroed pool route to the same experts,
-    # so a step read k experts a layer where the floor counts those of uniform routing (before 12-07).
-    tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, B)
-    rows = [Row([int(t)], ctx, list(range(B + r * blocks, B + (r + 1) * blocks)), slot=r) for r, t in enumerate(tokens)]
+    rows = [Row([t], ctx, list(range(B + r * blocks, B + (r + 1) * blocks)), slot=r)
+            for r, t in enumerate(decode_tokens(cfg, B))]
     batch = pack_batch(lay, rows, [], num_decode=B, num_tokens=B, num_rows=B, max_blocks=blocks, num_pages=num_pages)
     state = {"pool": pool}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import time
 
 import jax
@@ -98,6 +99,8 @@ def main():
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--max-len", type=int, default=16384)
+    ap.add_argument("--decode-buckets", default="", help="comma-separated (empty: the engine's default)")
+    ap.add_argument("--prefill-buckets", default="", help="comma-separated (empty: the engine's default)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--poisson-shape", default="8000,1500", help="input,output tokens of the Poisson requests")
@@ -107,6 +110,7 @@ def main():
     ap.add_argument("--trace-requests", type=int, default=200)
     ap.add_argument("--trace-speed", type=float, default=1.0)
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # start-up progress
     cfg = sliced_config(a.config, a.layers)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
             "layers": cfg.num_layers, "max_running": a.max_running, "budget": a.budget, "max_len": a.max_len}
@@ -116,16 +120,21 @@ def main():
         t0 = time.perf_counter()
         params = random_params(cfg, jax.random.key(0), jnp.bfloat16)  # an engine consumes its params
         e = StepEngine(cfg, params=params, max_running=a.max_running, max_len=a.max_len, token_budget=a.budget,
-                       max_prefill_rows=8, prefix_cache=prefix_cache)
+                       max_prefill_rows=8, prefix_cache=prefix_cache, decode_buckets=buckets(a.decode_buckets),
+                       prefill_buckets=buckets(a.prefill_buckets))
         e.warmup()
         rows.append({**base, "kind": "startup", "prefix_cache": prefix_cache, "seconds": time.perf_counter() - t0,
-                     "buckets": len(e.runner.compiled), "pages": e.runner.num_pages})
+                     "buckets": len(e.runner.compiled),
+                     "decode_buckets": e.runner.decode_buckets, "prefill_buckets": e.runner.prefill_buckets, "pages": e.runner.num_pages})
         print(json.dumps(rows[-1]), flush=True)
         return e
 
     def record(e: StepEngine, **r):
         rows.append({**base, **r, "compiles_while_serving": e.runner.compiles_while_serving})
         print(json.dumps(rows[-1]), flush=True)
+
+    def buckets(arg: str):
+        return tuple(map(int, arg.split(","))) if arg else None
 
     parts = a.parts.split(",")
     if "poisson" in parts or "concurrency" in parts:

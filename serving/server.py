@@ -821,6 +821,9 @@ def parser() -> argparse.ArgumentParser:
                     help="step engine: compiled decode batch sizes, e.g. 1,4 (default: powers of four)")
     ap.add_argument("--prefill-buckets", type=_ints, default=None,
                     help="step engine: compiled prefill token counts, e.g. 64,256 (default: powers of four from 64)")
+    ap.add_argument("--mixed-decode-buckets", type=_ints, default=None,
+                    help="step engine: decode rows of the compiled steps that also prefill (default: the largest "
+                         "decode bucket only; the decode buckets again compile every pair)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="step engine: weights and activations (float32 for exact comparisons)")
     ap.add_argument("--tensor-parallel", type=int, default=1,
@@ -854,7 +857,7 @@ def make_engine(a: argparse.Namespace):
         return StepEngine(a.model, dtype=getattr(jnp, a.dtype), max_running=a.max_slots, max_len=a.max_len,
                           token_budget=a.prefill_chunk, max_prefill_rows=a.max_prefill_rows, prefix_cache=not a.no_prefix_cache,
                           decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,
-                          speculative=a.speculative, spec_backoff=a.spec_backoff,
+                          mixed_decode_buckets=a.mixed_decode_buckets, speculative=a.speculative, spec_backoff=a.spec_backoff,
                           mesh=step_mesh(a.tensor_parallel, a.expert_parallel, data=a.data_parallel) if sharded else None,
                           context_parallel_from=a.context_parallel_from)
     if sharded or a.context_parallel_from is not None:

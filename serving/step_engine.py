@@ -141,7 +141,7 @@ class Runner:
     ``specs``: ``params`` are on ``plan``'s mesh already, placed by these (else they are placed here)."""
 
     def __init__(self, cfg: ModelConfig, params, lay: PoolLayout, kernels: StepKernels, num_pages: int, *,
-                 decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int,
+                 decode_buckets, prefill_buckets, max_prefill_rows: int, max_blocks: int, mixed_decode_buckets=None,
                  num_logprobs: int = MAX_LOGPROBS, speculative: int = 0, plan: MeshPlan | None = None,
                  context_from: int | None = None, specs=None):
         self.cfg, self.params, self.lay, self.kernels, self.plan = cfg, params, lay, kernels, plan
@@ -150,6 +150,10 @@ class Runner:
         self.decode_buckets, self.prefill_buckets = tuple(sorted(decode_buckets)), tuple(sorted(prefill_buckets))
         if not self.decode_buckets or not self.prefill_buckets:
             raise ValueError("decode_buckets and prefill_buckets must not be empty")
+        self.mixed_decode_buckets = tuple(sorted(mixed_decode_buckets or self.decode_buckets[-1:]))
+        if self.mixed_decode_buckets[-1] < self.decode_buckets[-1]:
+            raise ValueError(f"the largest mixed decode bucket must cover the largest decode bucket "
+                             f"{self.decode_buckets[-1]}, got {self.mixed_decode_buckets}")
         self.context_from = context_from
         if context_from is not None:
             if plan is None:
@@ -196,8 +200,14 @@ class Runner:
     def bucket(self, num_decode: int, prefill_tokens: int, drafts: bool = False) -> tuple[int, int, int]:
         """``(decode rows, prefill tokens, window)`` of the compiled step that runs a plan."""
         pick = lambda n, buckets: 0 if n == 0 else next(b for b in buckets if b >= n)
-        nd = pick(num_decode, self.decode_buckets)
+        nd = pick(num_decode, self.mixed_decode_buckets if prefill_tokens else self.decode_buckets)
         return nd, pick(prefill_tokens, self.prefill_buckets), self.window if drafts and nd else 1
+
+    def bucket_keys(self) -> list[tuple[int, int, int]]:
+        """Every bucket :meth:`bucket` can pick, which :meth:`warmup` compiles."""
+        pairs = ([(nd, 0) for nd in self.decode_buckets] + [(0, tp) for tp in self.prefill_buckets]
+                 + [(nd, tp) for nd in self.mixed_decode_buckets for tp in self.prefill_buckets])
+        return [(nd, tp, w) for nd, tp in pairs for w in sorted({1, self.window if nd else 1})]
 
     def _call(self, nd: int, tp: int, w: int, rows=None, received=None):
         """Pack and start the step of bucket ``(nd, tp, w)`` on ``rows``, each lane's ``(decode
@@ -233,8 +243,7 @@ class Runner:
 
     def warmup(self):
         """Compile every bucket on all-padding batches (they write nothing), with a progress line each."""
-        keys = [(nd, tp, w) for nd in (0,) + self.decode_buckets for tp in (0,) + self.prefill_buckets if nd or tp
-                for w in sorted({1, self.window if nd else 1})]
+        keys = self.bucket_keys()
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
             jax.block_until_ready(self._call(*key).tokens)
@@ -333,6 +342,11 @@ class StepEngine(EngineBase):
         ``MAX_POOL_WORDS`` words, else enough for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
         a KDA state page allows, a multiple of the hash block).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
+      mixed_decode_buckets: the decode rows of the compiled steps that also prefill (None: only
+        the largest decode bucket). Each is a compilation per prefill bucket, and a step with a
+        prefill chunk is long beside the decode rows its padding adds, so by default a mixed
+        step pads its decode rows to ``max(decode_buckets)``: start-up compiles
+        ``D + P + P`` steps instead of ``D + P + D P``.
       async_dispatch: dispatch step N + 1 before reading step N's tokens (decode rows take their
         token from the device), so the host's work overlaps the device's.
       compile_cache: directory of JAX's persistent compilation cache (None: leave JAX's setting;
@@ -360,7 +374,7 @@ class StepEngine(EngineBase):
     def __init__(self, model="tiny", *, dtype=jnp.bfloat16, max_running: int = 8, max_len: int = 2048,
                  token_budget: int = 512, max_prefill_rows: int = 4, max_chunk: int | None = None,
                  prefix_cache: bool = True, hash_tokens: int = 512, num_pages: int | None = None,
-                 page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None,
+                 page_tokens: int | None = None, decode_buckets=None, prefill_buckets=None, mixed_decode_buckets=None,
                  kernels: StepKernels | None = None, seed: int = 0, compile_cache: str | None = DEFAULT_COMPILE_CACHE,
                  async_dispatch: bool = True, scan_layers: bool = True, speculative: int = 0, drafter=None,
                  spec_backoff: int = 16, params=None, mesh=None, context_parallel_from: int | None = None):
@@ -417,7 +431,7 @@ class StepEngine(EngineBase):
             raise ValueError(f"{num_pages} pages cannot hold one request of max_len {max_len} "
                              f"({max_blocks} MLA pages of {lay.page_tokens} tokens + {spare} state pages)")
         self.runner = Runner(self.cfg, params, lay, kernels, num_pages, decode_buckets=decode_buckets,
-                             prefill_buckets=prefill_buckets,
+                             prefill_buckets=prefill_buckets, mixed_decode_buckets=mixed_decode_buckets,
                              max_prefill_rows=max_prefill_rows, max_blocks=max_blocks, speculative=speculative,
                              plan=plan, context_from=context_parallel_from, specs=specs)
         if speculative < 0:

@@ -16,6 +16,7 @@ are sorted together, as for :func:`jax.lax.ragged_dot`; rows past the groups are
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +80,9 @@ def mxfp4_grouped_matmul(a, packed, scale, sizes, experts=None, *, block_m: int 
       sizes: ``i32[G]`` rows per group; experts: ``i32[G]`` the expert each group multiplies by
         (None: group ``g`` is expert ``g``, ``G = E``); an empty group's expert is never read.
       block_m, block_n: rows and columns a program multiplies at a time (Triton dots take at
-        least 16 of each); interpret: None interprets on CPU and compiles elsewhere.
+        least 16 of each); a width ``N`` that is no multiple of ``block_n`` takes
+        ``gcd(N, block_n)`` columns (at least 16). interpret: None interprets on CPU and
+        compiles elsewhere.
     Returns:
       ``f32[M, N]``; rows past ``sum(sizes)`` are zeros.
     """
@@ -92,8 +95,9 @@ def mxfp4_grouped_matmul(a, packed, scale, sizes, experts=None, *, block_m: int 
                          f"of {_BLOCK}, got {packed.shape} and {scale.shape}")
     if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
         raise ValueError(f"packed and scale must be uint8, got {packed.dtype} and {scale.dtype}")
-    if N % block_n:
-        raise ValueError(f"N = {N} must be a multiple of block_n = {block_n}")
+    block_n = math.gcd(N, block_n)  # a width that is no multiple of block_n takes narrower column tiles
+    if block_n < 16:
+        raise ValueError(f"N = {N} must be a multiple of 16 (Triton dots take at least 16 columns)")
     sizes = sizes.astype(jnp.int32)
     experts = jnp.arange(E, dtype=jnp.int32) if experts is None else jnp.minimum(experts.astype(jnp.int32), E - 1)
     if experts.shape != sizes.shape:

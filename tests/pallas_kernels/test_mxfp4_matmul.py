@@ -60,6 +60,20 @@ def test_a_group_map_reads_each_groups_expert():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("N,block_n,interpret", [
+    (48, 64, None), (96, 64, None), (64, 128, None), pytest.param(48, 64, False, marks=pytest.mark.gpu)])
+def test_a_width_no_multiple_of_the_column_tile_takes_narrower_tiles(N, block_n, interpret):
+    """The tiny K3's 48-wide latent, a 96-wide projection: column tiles of gcd(N, block_n)."""
+    rng = np.random.default_rng()
+    E, K = 3, 64
+    packed, scale = _experts(rng, E, K, N)
+    sizes = jnp.array([5, 0, 18], jnp.int32)
+    a = jnp.asarray(rng.standard_normal((int(sizes.sum()), K)), jnp.float32)
+    out = mxfp4_grouped_matmul(a, packed, scale, sizes, block_n=block_n, interpret=interpret)
+    want = _reference(a, packed, scale, sizes)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_every_scale_as_the_reference_dequantises_it():
     """Scales 0 to 255 (overflow to inf near 254, inf and NaN at 255), an identity input that
     picks single weights: every column of finite weights equals the reference bit for bit, but
@@ -87,8 +101,9 @@ def test_bad_input_is_refused():
         mxfp4_grouped_matmul(jnp.zeros((4, 32), jnp.float32), packed, scale, sizes)
     with pytest.raises(ValueError, match="uint8"):
         mxfp4_grouped_matmul(a, packed.astype(jnp.int32), scale, sizes)
-    with pytest.raises(ValueError, match="block_n"):
-        mxfp4_grouped_matmul(a, packed, scale, sizes, block_n=128)
+    narrow, narrow_scale = _experts(np.random.default_rng(0), 2, 64, 40)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        mxfp4_grouped_matmul(a, narrow, narrow_scale, sizes)
     with pytest.raises(ValueError, match="one entry per group"):
         mxfp4_grouped_matmul(a, packed, scale, sizes, jnp.array([0], jnp.int32))
 

@@ -168,6 +168,22 @@ def test_abort_and_bad_requests(engine):
         _engine(prefill_buckets=(32,))
 
 
+def test_mixed_steps_pad_decode_rows_to_their_own_buckets():
+    """By default a step that also prefills pads its decode rows to the largest decode bucket
+    (fewer compilations); the buckets warm-up compiles are exactly those the engine can pick."""
+    e = _engine(decode_buckets=(1, 4), prefill_buckets=(32, 64))
+    r = e.runner
+    assert r.bucket(1, 0) == (1, 0, 1) and r.bucket(2, 0) == (4, 0, 1) and r.bucket(0, 10) == (0, 32, 1)
+    assert r.bucket(1, 10) == (4, 32, 1) and r.bucket(3, 40) == (4, 64, 1)
+    assert sorted(r.bucket_keys()) == sorted([(1, 0, 1), (4, 0, 1), (0, 32, 1), (0, 64, 1), (4, 32, 1), (4, 64, 1)])
+    every = _engine(decode_buckets=(1, 4), prefill_buckets=(32, 64), mixed_decode_buckets=(1, 4)).runner
+    assert every.bucket(1, 10) == (1, 32, 1) and len(every.bucket_keys()) == 8
+    picked = {r.bucket(nd, tp) for nd in range(5) for tp in range(65) if nd or tp}
+    assert picked == set(r.bucket_keys())
+    with pytest.raises(ValueError, match="largest mixed decode bucket"):
+        _engine(decode_buckets=(1, 4), mixed_decode_buckets=(1,))
+
+
 # ---- the prefix cache on the device pool (hash block 16 tokens; a page is 12 hash blocks, as a
 # 6144-token page of 512-token hash blocks in SERVING.md)
 def _cached_engine(**kw):

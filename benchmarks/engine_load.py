@@ -124,8 +124,8 @@ def main():
                        prefill_buckets=buckets(a.prefill_buckets))
         e.warmup()
         rows.append({**base, "kind": "startup", "prefix_cache": prefix_cache, "seconds": time.perf_counter() - t0,
-                     "buckets": len(e.runner.compiled),
-                     "decode_buckets": e.runner.decode_buckets, "prefill_buckets": e.runner.prefill_buckets, "pages": e.runner.num_pages})
+                     "buckets": len(e.runner.compiled), "decode_buckets": e.runner.decode_buckets,
+                     "prefill_buckets": e.runner.prefill_buckets, "pages": e.runner.num_pages})
         print(json.dumps(rows[-1]), flush=True)
         return e
 

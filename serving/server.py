@@ -823,7 +823,7 @@ def parser() -> argparse.ArgumentParser:
                     help="step engine: compiled prefill token counts, e.g. 64,256 (default: powers of four from 64)")
     ap.add_argument("--mixed-decode-buckets", type=_ints, default=None,
                     help="step engine: decode rows of the compiled steps that also prefill (default: the largest "
-                         "decode bucket only; the decode buckets again compile every pair)")
+                         "decode bucket only; give the decode buckets to compile every pair)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="step engine: weights and activations (float32 for exact comparisons)")
     ap.add_argument("--tensor-parallel", type=int, default=1,

@@ -669,11 +669,19 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
     """Per-row sampling of ``logits f32[R, V]``: greedy where ``temperature == 0``, else
     temperature, top-k, top-p and a Gumbel draw keyed by ``fold_in(key(seed), position)``.
     Returns ``(tokens i32[R], logprob f32[R], top_ids i32[R, n], top_logprobs f32[R, n])`` with
-    log-probabilities of the unfiltered, untempered distribution."""
-    V = logits.shape[-1]
+    log-probabilities of the unfiltered, untempered distribution.
+
+    One stable sort of the logits, with their ids, serves the filters and the top ``n``: a
+    positive temperature keeps the order, so the sorted logits over it are the sorted tempered
+    logits, bit for bit; ``jax.lax.top_k`` beside a sort of values would be a second full sort
+    on the GPU (XLA's top-k kernel stops at k = 16)."""
+    R, V = logits.shape
     greedy = batch.temperature <= 0
-    x = logits / jnp.where(greedy, 1.0, batch.temperature)[:, None]
-    srt = jnp.sort(x, axis=-1)[:, ::-1]
+    temp = jnp.where(greedy, 1.0, batch.temperature)[:, None]
+    x = logits / temp
+    neg, order = jax.lax.sort((-logits, jax.lax.broadcasted_iota(i32, (R, V), 1)), dimension=1, is_stable=True,
+                              num_keys=1)  # descending; ties by id, as top_k
+    srt = -neg / temp
     kth = jnp.take_along_axis(srt, jnp.clip(batch.top_k - 1, 0, V - 1)[:, None], axis=1)
     x = jnp.where((batch.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
     srt = jnp.where((batch.top_k[:, None] > 0) & (srt < kth), -jnp.inf, srt)
@@ -688,8 +696,9 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
     drawn = jnp.argmax(x + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(i32)
     lp = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
-    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids.astype(i32), top_lp
+    top_ids = order[:, :num_logprobs]
+    top_lp = jnp.take_along_axis(lp, top_ids, axis=1)
+    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids, top_lp
 
 
 def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int, int], ...]:

@@ -293,6 +293,22 @@ def test_sampling_filters_and_seeds():
     np.testing.assert_array_equal(np.asarray(tok), greedy)
 
 
+def test_one_sort_samples_as_two_did():
+    """Bit for bit against the sampler that sorted twice (:mod:`benchmarks.sampler`), over rows of
+    every kind (greedy, hot, top-k, top-p, both) and logits with ties (rounded to quarters):
+    tokens, their logprobs, the top ids and their logprobs."""
+    from benchmarks.sampler import mixed_rows, sample_two_sorts
+
+    R, V, n = 12, 300, 20
+    k = jax.random.split(jax.random.key(int(np.random.default_rng().integers(2**31))), 3)
+    lg = jnp.round(jax.random.normal(k[0], (R, V)) * 12) / 4
+    batch, pos = mixed_rows(R, k[1]), jax.random.randint(k[2], (R,), 0, 1000)
+    got = jax.jit(sample, static_argnums=3)(lg, batch, pos, n)
+    want = jax.jit(sample_two_sorts, static_argnums=3)(lg, batch, pos, n)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_sampled_distribution_matches_softmax():
     V, n = 6, 4000
     lg = jnp.asarray([[1.0, 0.5, 0.0, -0.5, 2.0, -3.0]], jnp.float32)

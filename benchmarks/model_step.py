@@ -66,7 +66,10 @@ def kernels_for(cfg, ragged: str, paged_mla: bool = False, paged_kda: bool = Fal
     if jax.default_backend() == "gpu":
         from pallas_kernels.kda import chunk_kda
         chunk = chunk_kda
-    rd = {"jax.lax": jax.lax.ragged_dot, "tokamax": StepKernels.ragged_dot}[ragged]
+    if ragged == "triton":  # the dense grouped matmul for decode-sized groups (a decode-only comparison)
+        from pallas_kernels.moe import grouped_matmul as rd
+    else:
+        rd = {"jax.lax": jax.lax.ragged_dot, "tokamax": StepKernels.ragged_dot}[ragged]
     mla = {}
     if paged_mla:
         from pallas_kernels.mla import paged_mla_decode
@@ -195,7 +198,8 @@ def bench_prefill(cfg, params, kernels, T: int) -> dict:
 
 
 def bench_ragged(cfg, tokens: int) -> list[dict]:
-    """jax.lax.ragged_dot against tokamax.ragged_dot on one MoE layer's gate_up shape."""
+    """jax.lax.ragged_dot against tokamax.ragged_dot and, on a GPU, the dense grouped matmul of
+    :mod:`pallas_kernels.moe` on one MoE layer's gate_up shape."""
     E, D, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     key = jax.random.split(jax.random.key(0), 3)
     w = (0.05 * jax.random.normal(key[0], (E, D, 2 * I), jnp.float32)).astype(jnp.bfloat16)
@@ -209,6 +213,9 @@ def bench_ragged(cfg, tokens: int) -> list[dict]:
         impls["tokamax"] = tokamax.ragged_dot
     except ImportError:
         pass
+    if jax.default_backend() == "gpu":
+        from pallas_kernels.moe import grouped_matmul
+        impls["triton"] = grouped_matmul
     ref = None
     for name, f in impls.items():
         g = jax.jit(lambda x, w, s, f=f: f(x, w, s, preferred_element_type=jnp.float32))
@@ -253,7 +260,7 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=8192, help="prefill tokens (0: skip)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--ragged", default="tokamax", choices=["jax.lax", "tokamax"])
+    ap.add_argument("--ragged", default="tokamax", choices=["jax.lax", "tokamax", "triton"])
     ap.add_argument("--ragged-tokens", default="1,64,256,8192", help="token counts for the ragged_dot comparison")
     ap.add_argument("--old-engine", action="store_true")
     ap.add_argument("--scan-layers", action="store_true", help="scan the repeating layers (the engine's default)")

@@ -151,6 +151,8 @@ class Runner:
         if not self.decode_buckets or not self.prefill_buckets:
             raise ValueError("decode_buckets and prefill_buckets must not be empty")
         self.mixed_decode_buckets = tuple(sorted(mixed_decode_buckets or self.decode_buckets[-1:]))
+        if min(self.decode_buckets + self.prefill_buckets + self.mixed_decode_buckets) < 1:
+            raise ValueError("buckets must be positive")
         if self.mixed_decode_buckets[-1] < self.decode_buckets[-1]:
             raise ValueError(f"the largest mixed decode bucket must cover the largest decode bucket "
                              f"{self.decode_buckets[-1]}, got {self.mixed_decode_buckets}")

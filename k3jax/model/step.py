@@ -674,7 +674,9 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
     One stable sort of the logits, with their ids, serves the filters and the top ``n``: a
     positive temperature keeps the order, so the sorted logits over it are the sorted tempered
     logits, bit for bit; ``jax.lax.top_k`` beside a sort of values would be a second full sort
-    on the GPU (XLA's top-k kernel stops at k = 16)."""
+    on the GPU (XLA's top-k kernel stops at k = 16). The top ids are ranked by logit, ties by
+    id: where two logits one rounding apart have the same log-probability, the larger comes
+    first (``top_k`` over the log-probabilities would put the lower id first)."""
     R, V = logits.shape
     greedy = batch.temperature <= 0
     temp = jnp.where(greedy, 1.0, batch.temperature)[:, None]

@@ -32,6 +32,15 @@ def triton_params(num_warps, num_stages):
 MAX_TRITON_ELEMENTS = 2**31 - 1  # Pallas Triton indexes a ref with 32-bit offsets
 
 
+def check_offset_width(name: str, x):
+    """Raise if Pallas Triton would index ``x`` past its 32-bit offsets: it takes 64-bit offsets
+    only for arrays of more than 2^32 bytes (jax 0.11.2), so an array of 2^31 to 2^32 elements
+    of one byte each overflows them."""
+    if x.size > MAX_TRITON_ELEMENTS and x.size * x.dtype.itemsize <= 2**32:
+        raise ValueError(f"{name} has {x.size} elements in {x.size * x.dtype.itemsize} bytes: the GPU kernel "
+                         f"indexes it with 32-bit offsets (at most {MAX_TRITON_ELEMENTS} elements)")
+
+
 def check_32bit_offsets(name: str, x):
     """Raise unless ``x`` (an operand a Triton kernel indexes) has fewer than 2^31 elements."""
     if x.size > MAX_TRITON_ELEMENTS:

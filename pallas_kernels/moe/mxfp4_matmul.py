@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.kda.gpu_common import check_offset_width
+
 _F32 = jnp.float32
 _BLOCK = 32  # values per MXFP4 scale along the contracted axis
 
@@ -95,6 +97,8 @@ def mxfp4_grouped_matmul(a, packed, scale, sizes, experts=None, *, block_m: int 
                          f"of {_BLOCK}, got {packed.shape} and {scale.shape}")
     if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
         raise ValueError(f"packed and scale must be uint8, got {packed.dtype} and {scale.dtype}")
+    check_offset_width("packed", packed)
+    check_offset_width("scale", scale)
     block_n = math.gcd(N, block_n)  # a width that is no multiple of block_n takes narrower column tiles
     if block_n < 16:
         raise ValueError(f"N = {N} must be a multiple of 16 (Triton dots take at least 16 columns)")

@@ -296,7 +296,8 @@ def test_sampling_filters_and_seeds():
 def test_one_sort_samples_as_two_did():
     """Bit for bit against the sampler that sorted twice (:mod:`benchmarks.sampler`), over rows of
     every kind (greedy, hot, top-k, top-p, both) and logits with ties (rounded to quarters):
-    tokens, their logprobs, the top ids and their logprobs."""
+    tokens, their logprobs, the top ids and their logprobs. (Logits one rounding apart whose
+    log-probabilities round equal may rank differently: see :func:`sample`.)"""
     from benchmarks.sampler import mixed_rows, sample_two_sorts
 
     R, V, n = 12, 300, 20

@@ -101,6 +101,13 @@ def test_bad_input_is_refused():
         mxfp4_grouped_matmul(jnp.zeros((4, 32), jnp.float32), packed, scale, sizes)
     with pytest.raises(ValueError, match="uint8"):
         mxfp4_grouped_matmul(a, packed.astype(jnp.int32), scale, sizes)
+    spec = jax.ShapeDtypeStruct  # 2^31 to 2^32 one-byte elements: past Pallas Triton's 32-bit offsets
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        jax.eval_shape(mxfp4_grouped_matmul, a, spec((2, 32, 2**25 + 64), jnp.uint8), spec((2, 2, 2**25 + 64), jnp.uint8),
+                       sizes)
+    big = jax.eval_shape(mxfp4_grouped_matmul, a, spec((2, 32, 2**26 + 64), jnp.uint8),
+                         spec((2, 2, 2**26 + 64), jnp.uint8), sizes)
+    assert big.shape == (4, 2**26 + 64)  # over 2^32 bytes: 64-bit offsets
     narrow, narrow_scale = _experts(np.random.default_rng(0), 2, 64, 40)
     with pytest.raises(ValueError, match="multiple of 16"):
         mxfp4_grouped_matmul(a, narrow, narrow_scale, sizes)

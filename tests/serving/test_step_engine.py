@@ -182,6 +182,8 @@ def test_mixed_steps_pad_decode_rows_to_their_own_buckets():
     assert picked == set(r.bucket_keys())
     with pytest.raises(ValueError, match="largest mixed decode bucket"):
         _engine(decode_buckets=(1, 4), mixed_decode_buckets=(1,))
+    with pytest.raises(ValueError, match="positive"):
+        _engine(decode_buckets=(1, 4), mixed_decode_buckets=(0, 4))
 
 
 # ---- the prefix cache on the device pool (hash block 16 tokens; a page is 12 hash blocks, as a

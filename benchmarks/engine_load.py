@@ -28,6 +28,7 @@ from benchmarks.common import write_json
 from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
 from serving.engine import SamplingParams
+from serving.server import positive_ints
 from serving.step_engine import StepEngine
 
 HASH_BLOCK = 512
@@ -99,8 +100,8 @@ def main():
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--decode-buckets", default="", help="comma-separated (empty: the engine's default)")
-    ap.add_argument("--prefill-buckets", default="", help="comma-separated (empty: the engine's default)")
+    ap.add_argument("--decode-buckets", type=positive_ints, default=None, help="comma-separated (default: the engine's)")
+    ap.add_argument("--prefill-buckets", type=positive_ints, default=None, help="comma-separated (default: the engine's)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--poisson-shape", default="8000,1500", help="input,output tokens of the Poisson requests")
@@ -120,8 +121,8 @@ def main():
         t0 = time.perf_counter()
         params = random_params(cfg, jax.random.key(0), jnp.bfloat16)  # an engine consumes its params
         e = StepEngine(cfg, params=params, max_running=a.max_running, max_len=a.max_len, token_budget=a.budget,
-                       max_prefill_rows=8, prefix_cache=prefix_cache, decode_buckets=buckets(a.decode_buckets),
-                       prefill_buckets=buckets(a.prefill_buckets), **kw)
+                       max_prefill_rows=8, prefix_cache=prefix_cache, decode_buckets=a.decode_buckets,
+                       prefill_buckets=a.prefill_buckets, **kw)
         e.warmup()
         rows.append({**base, "kind": "startup", "prefix_cache": prefix_cache, "seconds": time.perf_counter() - t0,
                      "buckets": len(e.runner.compiled), "decode_buckets": e.runner.decode_buckets,
@@ -132,9 +133,6 @@ def main():
     def record(e: StepEngine, **r):
         rows.append({**base, **r, "compiles_while_serving": e.runner.compiles_while_serving})
         print(json.dumps(rows[-1]), flush=True)
-
-    def buckets(arg: str):
-        return tuple(map(int, arg.split(","))) if arg else None
 
     parts = a.parts.split(",")
     if "poisson" in parts or "concurrency" in parts:

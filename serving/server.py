@@ -787,7 +787,7 @@ def serve(engine: EngineBase, tokenizer, *, host="127.0.0.1", port=8000, model_n
     return BackgroundServer(a.app, host, port, log_level="warning"), a
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def positive_ints(text: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -817,11 +817,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-backoff", type=int, default=16,
                     help="most plain steps a request waits after windows with no accepted draft (0 = never wait)")
     ap.add_argument("--max-prefill-rows", type=int, default=4, help="step engine: prefill chunks per step")
-    ap.add_argument("--decode-buckets", type=_ints, default=None,
+    ap.add_argument("--decode-buckets", type=positive_ints, default=None,
                     help="step engine: compiled decode batch sizes, e.g. 1,4 (default: powers of four)")
-    ap.add_argument("--prefill-buckets", type=_ints, default=None,
+    ap.add_argument("--prefill-buckets", type=positive_ints, default=None,
                     help="step engine: compiled prefill token counts, e.g. 64,256 (default: powers of four from 64)")
-    ap.add_argument("--mixed-decode-buckets", type=_ints, default=None,
+    ap.add_argument("--mixed-decode-buckets", type=positive_ints, default=None,
                     help="step engine: decode rows of the compiled steps that also prefill (default: the largest "
                          "decode bucket only; give the decode buckets to compile every pair)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",

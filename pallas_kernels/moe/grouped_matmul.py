@@ -24,24 +24,42 @@ from jax.experimental.pallas import triton as pltriton
 _F32 = jnp.float32
 
 
-def _kernel(starts_ref, sizes_ref, a_ref, w_ref, _, o_ref, *, block_m: int, block_n: int, block_k: int, precision):
-    g, j = pl.program_id(0), pl.program_id(1)
-    start, size = starts_ref[g], sizes_ref[g]
-    cols = pl.ds(j * block_n, block_n)
+def store_group_rows(o_ref, start, size, cols, block_m: int, tile):
+    """Store ``tile(rows) -> f32[block_m, n]`` at ``o_ref[rows, cols]`` for each ``block_m`` rows
+    of a group (rows ``[start, start + size)``), masked to the group: the next group's rows stay
+    its own."""
 
     def row_tile(t, carry):
         rows = pl.ds(start + t * block_m, block_m)
+        keep = (t * block_m + jnp.arange(block_m)) < size
+        pltriton.store(o_ref.at[rows, cols], tile(rows), mask=keep[:, None])
+        return carry
 
+    jax.lax.fori_loop(0, pl.cdiv(size, block_m), row_tile, jnp.int32(0))
+
+
+def call_grouped(kernel, sizes, *operands, rows: int, N: int, block_m: int, block_n: int, interpret, name: str):
+    """``kernel(starts_ref, sizes_ref, *operand_refs, zeros_ref, o_ref)`` on a grid of (group,
+    column tile of ``block_n``), its output ``f32[rows, N]`` zeros where no group writes."""
+    zeros = jnp.zeros((rows + block_m, N), _F32)  # a last row tile may run past the rows
+    out = pl.pallas_call(kernel, grid=(sizes.shape[0], N // block_n), out_shape=jax.ShapeDtypeStruct(zeros.shape, _F32),
+                         input_output_aliases={2 + len(operands): 0}, interpret=interpret, name=name)(
+        jnp.cumsum(sizes) - sizes, sizes, *operands, zeros)
+    return out[:rows]
+
+
+def _kernel(starts_ref, sizes_ref, a_ref, w_ref, _, o_ref, *, block_m: int, block_n: int, block_k: int, precision):
+    g, j = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * block_n, block_n)
+
+    def tile(rows):
         def k_block(b, acc):
             ks = pl.ds(b * block_k, block_k)
             return acc + jnp.dot(a_ref[rows, ks], w_ref[g, ks, cols], preferred_element_type=_F32, precision=precision)
 
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // block_k, k_block, jnp.zeros((block_m, block_n), _F32))
-        keep = (t * block_m + jnp.arange(block_m)) < size
-        pltriton.store(o_ref.at[rows, cols], acc, mask=keep[:, None])  # the next group's rows stay its own
-        return carry
+        return jax.lax.fori_loop(0, a_ref.shape[1] // block_k, k_block, jnp.zeros((block_m, block_n), _F32))
 
-    jax.lax.fori_loop(0, pl.cdiv(size, block_m), row_tile, jnp.int32(0))
+    store_group_rows(o_ref, starts_ref[g], sizes_ref[g], cols, block_m, tile)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=_F32, precision=None, block_m: int = 16,
@@ -74,8 +92,6 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=_F32, precis
     sizes = group_sizes.astype(jnp.int32)
     a = jnp.pad(lhs, ((0, block_m), (0, 0)))  # a last row tile may run past the rows
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision)
-    zeros = jnp.zeros((M + block_m, N), _F32)  # what no group writes
-    out = pl.pallas_call(kernel, grid=(G, N // block_n), out_shape=jax.ShapeDtypeStruct(zeros.shape, _F32),
-                         input_output_aliases={4: 0}, interpret=interpret, name="grouped_matmul")(
-        jnp.cumsum(sizes) - sizes, sizes, a, rhs, zeros)
-    return out[:M].astype(preferred_element_type)
+    out = call_grouped(kernel, sizes, a, rhs, rows=M, N=N, block_m=block_m, block_n=block_n, interpret=interpret,
+                       name="grouped_matmul")
+    return out.astype(preferred_element_type)

@@ -21,9 +21,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kda.gpu_common import check_offset_width
+from pallas_kernels.moe.grouped_matmul import call_grouped, store_group_rows
 
 _F32 = jnp.float32
 _BLOCK = 32  # values per MXFP4 scale along the contracted axis
@@ -44,16 +44,13 @@ def _dequantize_tile(codes, scale, dtype):
 def _kernel(starts_ref, sizes_ref, experts_ref, even_ref, odd_ref, packed_ref, scale_ref, _, o_ref, *, block_m: int,
             block_n: int, dtype):
     g, j = pl.program_id(0), pl.program_id(1)
-    start, size, e = starts_ref[g], sizes_ref[g], experts_ref[g]
+    e = experts_ref[g]
     cols = pl.ds(j * block_n, block_n)
     K2 = packed_ref.shape[1]  # packed rows: K / 2
     dot = functools.partial(jnp.dot, preferred_element_type=_F32,
                             precision=jax.lax.Precision.HIGHEST if dtype == _F32 else None)
 
-    def row_tile(t, carry):
-        r0 = start + t * block_m
-        rows = pl.ds(r0, block_m)
-
+    def tile(rows):
         def k_block(b, acc):
             half = pl.ds(b * (_BLOCK // 2), _BLOCK // 2)
             codes = packed_ref[e, half, cols].astype(jnp.int32)  # [16, block_n]
@@ -61,12 +58,9 @@ def _kernel(starts_ref, sizes_ref, experts_ref, even_ref, odd_ref, packed_ref, s
             lo, hi = (_dequantize_tile(c, scale, dtype) for c in (codes & 15, codes >> 4))
             return acc + dot(even_ref[rows, half], lo) + dot(odd_ref[rows, half], hi)
 
-        acc = jax.lax.fori_loop(0, K2 // (_BLOCK // 2), k_block, jnp.zeros((block_m, block_n), _F32))
-        keep = (t * block_m + jnp.arange(block_m)) < size
-        pltriton.store(o_ref.at[rows, cols], acc, mask=keep[:, None])  # the next group's rows stay its own
-        return carry
+        return jax.lax.fori_loop(0, K2 // (_BLOCK // 2), k_block, jnp.zeros((block_m, block_n), _F32))
 
-    jax.lax.fori_loop(0, pl.cdiv(size, block_m), row_tile, jnp.int32(0))
+    store_group_rows(o_ref, starts_ref[g], sizes_ref[g], cols, block_m, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "interpret"))
@@ -109,8 +103,5 @@ def mxfp4_grouped_matmul(a, packed, scale, sizes, experts=None, *, block_m: int 
     a = jnp.pad(a, ((0, block_m), (0, 0)))  # a last row tile may run past the rows
     even, odd = a[:, 0::2], a[:, 1::2]
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, dtype=jnp.dtype(a.dtype))
-    zeros = jnp.zeros((M + block_m, N), _F32)  # what no group writes
-    out = pl.pallas_call(kernel, grid=(sizes.shape[0], N // block_n), out_shape=jax.ShapeDtypeStruct(zeros.shape, _F32),
-                         input_output_aliases={7: 0}, interpret=interpret, name="mxfp4_grouped_matmul")(
-        jnp.cumsum(sizes) - sizes, sizes, experts, even, odd, packed, scale, zeros)
-    return out[:M]
+    return call_grouped(kernel, sizes, experts, even, odd, packed, scale, rows=M, N=N, block_m=block_m,
+                        block_n=block_n, interpret=interpret, name="mxfp4_grouped_matmul")

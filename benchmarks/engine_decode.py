@@ -72,12 +72,14 @@ def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: 
     return dt / steps * 1e3, waited[0] / steps * 1e3, device
 
 
-def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tuple[float, dict]:
+def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int, **step_kw) -> tuple[float, dict]:
     """Milliseconds per call of the engine's compiled decode bucket for ``B`` rows at ``context``
     (pages and slots taken from the top of the pool; run after :func:`engine_decode_ms`), each
     row its own random token (:func:`benchmarks.model_step.decode_tokens`: one token for all made
     the bare step's MoE about 1 ms cheaper than the engine's at batch 64 on an H100). Returns its
-    device seconds per call by kernel from a profile (empty without a GPU)."""
+    device seconds per call by kernel from a profile (empty without a GPU). ``step_kw``: more
+    arguments of the step (``sample_rows=True``: the sampler inside the step, as before the engine
+    left it to a second call when a row draws)."""
     r = engine.runner
     nd, _, _ = r.bucket(B, 0)
     blocks = -(-(context + 1) // r.lay.page_tokens)
@@ -93,7 +95,8 @@ def bare_decode_ms(engine: StepEngine, B: int, context: int, steps: int) -> tupl
 
     def run():
         out, state["pool"], state["last"] = r._step(nd, r.params, state["pool"], state["last"], ints, floats,
-                                                    shapes=batch_shapes(batch), window=1, num_logprobs=r.num_logprobs)
+                                                    shapes=batch_shapes(batch), window=1, num_logprobs=r.num_logprobs,
+                                                    **step_kw)
         return out.tokens
 
     jax.block_until_ready(run())
@@ -119,6 +122,8 @@ def main():
     ap.add_argument("--tensor", type=int, default=1, help="a mesh's tensor axis (issue 55's TP runs; 1 and --expert 1: "
                                                           "one device)")
     ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis")
+    ap.add_argument("--inline-sampler", action="store_true",
+                    help="also time the bare step with the sampler inside it (its sort on every step)")
     a = ap.parse_args()
     mesh = step_mesh(a.tensor, a.expert) if a.tensor * a.expert > 1 else None
     devices = 1 if mesh is None else mesh.size
@@ -138,12 +143,15 @@ def main():
         startup = time.perf_counter() - t0
         eng, wait, eng_kernels = engine_decode_ms(engine, B, a.prompt, a.steps)
         bare, bare_kernels = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps)
+        inline = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps, sample_rows=True)[0] \
+            if a.inline_sampler and mesh is None else None
         eng_device, bare_device = sum(eng_kernels.values()) * 1e3, sum(bare_kernels.values()) * 1e3
         extra = {k: (eng_kernels.get(k, 0) - bare_kernels.get(k, 0)) * 1e3 for k in {*eng_kernels, *bare_kernels}}
         r = engine.runner
         # one device's floor (on a mesh the bytes split unevenly: replicated latents, router)
         floor = decode_floor_bytes(cfg, r.params, r.lay, B, a.prompt + a.steps) / bandwidth * 1e3 if mesh is None else None
         rows.append({**base, "batch": B, "engine_step_ms": eng, "bare_step_ms": bare, "ratio": bare / eng,
+                     "bare_sampling_in_step_ms": inline,
                      "host_ms": eng - wait, "wait_ms": wait, "engine_kernel_ms": eng_device,
                      "bare_kernel_ms": bare_device, "device_busy": eng_device / eng,
                      "engine_extra_kernel_ms": dict(sorted(extra.items(), key=lambda kv: -abs(kv[1]))[:6]),

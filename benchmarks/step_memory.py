@@ -40,7 +40,8 @@ def main():
                            num_pages=r.num_pages, to_device=False)
         ints, floats = flatten_batch(batch)
         m = _fed_step.lower(r.cfg, r.lay, r.kernels, nd, r.params, r.pool, r.last, ints, floats,
-                            shapes=batch_shapes(batch), window=1, num_logprobs=r.num_logprobs).compile().memory_analysis()
+                            shapes=batch_shapes(batch), window=1, num_logprobs=r.num_logprobs,
+                            sample_rows=not r.split_sampling).compile().memory_analysis()
         print(f"decode rows {nd}, prefill tokens {tp}: temporaries {m.temp_size_in_bytes / 2**30:.3f} GiB "
               f"({m.temp_size_in_bytes / pool:.2f} pools)", flush=True)
 

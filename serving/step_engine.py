@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.loader import HFCheckpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import (Parallel, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries, model_step,
-                              pack_batch, prepare_layer, prepare_params, stack_layers, unflatten_batch)
+from k3jax.model.step import (Parallel, StepBatch, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries,
+                              model_step, pack_batch, prepare_layer, prepare_params, sample, stack_layers,
+                              unflatten_batch)
 from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, local_config, local_layout,
                                          param_specs, place_streamed, put_global, shard_params, shard_step)
@@ -87,12 +88,12 @@ def use_compile_cache(path: str):
 
 
 def fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs,
-             par=Parallel()):
+             sample_rows=True, par=Parallel()):
     """:func:`k3jax.model.step.model_step` on a flattened batch (:func:`k3jax.model.step.flatten_batch`)
     whose decode rows may take their token from the device: token -1 reads ``last[state_slot]``,
     the last token sampled for that slot; every live row's last emitted token is stored there.
     So step N + 1 can be dispatched before step N's tokens are read. ``par``: one device's part
-    of a sharded step."""
+    of a sharded step. ``sample_rows=False``: greedy tokens, and the logits for :func:`draw_rows`."""
     batch = unflatten_batch(ints, floats, shapes)
     first = jnp.arange(num_decode, dtype=jnp.int32) * window  # a decode row's first token
     if num_decode:
@@ -100,7 +101,7 @@ def fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *,
         fed = jnp.where(dec < 0, last[jnp.maximum(batch.state_slot[:num_decode], 0)], dec)
         batch = batch._replace(tokens=batch.tokens.at[first].set(fed))
     out, pool = model_step(cfg, lay, kernels, num_decode, params, pool, batch, window=window,
-                           num_logprobs=num_logprobs, par=par)
+                           num_logprobs=num_logprobs, sample_rows=sample_rows, par=par)
     final = out.tokens
     if out.accepted is not None:  # a window's last emitted token
         last_drafted = out.window[jnp.arange(num_decode), out.accepted]
@@ -112,7 +113,29 @@ def fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *,
 
 
 _STATIC = dict(static_argnames=("shapes", "window", "num_logprobs"))
-_fed_step = jax.jit(fed_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6), **_STATIC)
+_fed_step = jax.jit(fed_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6),
+                    static_argnames=(*_STATIC["static_argnames"], "sample_rows"))
+
+
+@partial(jax.jit, static_argnames=("filters", "num_logprobs"), donate_argnums=3)
+def draw_rows(logits, positions, params, last, *, filters: bool, num_logprobs: int):
+    """The sampling a step left out (``sample_rows=False``): :func:`k3jax.model.step.sample` of its
+    ``logits`` with the rows' ``params`` (:func:`sampling_params`), the drawn tokens stored in
+    ``last`` for their slots (a greedy row's token is the step's, stored already). Returns
+    ``(tokens, logprob, top_ids, top_logprobs, last)``."""
+    ints, temperature, top_p = params
+    batch = StepBatch(*[None] * 10, temperature=temperature, top_k=ints[0],
+                      top_p=top_p, seed=jax.lax.bitcast_convert_type(ints[1], jnp.uint32))
+    tokens, lp, top_ids, top_lp = sample(logits, batch, positions, num_logprobs if filters else 0, filters)
+    slots = jnp.where((temperature > 0) & (ints[2] >= 0), ints[2], last.shape[0])
+    return tokens, lp, top_ids, top_lp, last.at[slots].set(tokens, mode="drop")
+
+
+def sampling_params(batch: StepBatch):
+    """A host batch's sampling fields as :func:`draw_rows` takes them: ``(i32[3, R]`` top_k, seed
+    bits and state slot``, f32[R]`` temperature``, f32[R]`` top_p``)``."""
+    ints = np.stack([batch.top_k, np.asarray(batch.seed).view(np.int32), batch.state_slot])
+    return ints, batch.temperature, batch.top_p
 
 
 def sharded_fed_step(cfg: ModelConfig, lay_l: PoolLayout, kernels: StepKernels, plan: MeshPlan, specs):
@@ -165,8 +188,11 @@ class Runner:
                 raise ValueError(f"prefill buckets from {context_from} tokens must split over the {P} devices of "
                                  f"the expert axis, got {self.prefill_buckets}")
         self.device_lay = lay if plan is None else local_layout(cfg, lay, plan)  # one device's pages
+        # Off a mesh a step samples greedily and a second call draws only when a row asks for more
+        # (the host knows; a conditional inside the step would make the host wait for its predicate).
+        self.split_sampling = plan is None
         if plan is None:
-            self._step = partial(_fed_step, cfg, lay, kernels)
+            self._step = partial(_fed_step, cfg, lay, kernels, sample_rows=False)
         else:
             if specs is None:  # else the params are on the mesh already
                 self.params, specs = shard_params(cfg, params, plan)
@@ -178,7 +204,7 @@ class Runner:
         self.last = self.allocate_last()
         self.channel = StepChannel() if jax.process_count() > 1 else None  # process 0's steps to the others
         self.window = speculative + 1  # decode rows per step carry up to this many tokens when any has drafts
-        self.compiled: set[tuple[int, int, int]] = set()
+        self.compiled: set[tuple] = set()
         self.compiles_while_serving = 0
         import_kernel_libraries(kernels)  # before the first trace (see there)
 
@@ -234,7 +260,21 @@ class Runner:
         out, self.pool, self.last = self._step(nd, self.params, self.pool, self.last, ints, floats,
                                                shapes=batch_shapes(batches[0]), window=w,
                                                num_logprobs=self.num_logprobs, **kw)
-        return out
+        return out, batches[0]
+
+    def _draw(self, out, batch: StepBatch, filters: bool):
+        """Sample the rows of a step that left it out (:func:`draw_rows`); ``filters``: some row
+        has top-k or top-p, or logprobs are wanted."""
+        self._note_compile(("draw", len(batch.temperature), filters))
+        tokens, lp, top_ids, top_lp, self.last = draw_rows(out.logits, out.positions, sampling_params(batch),
+                                                           self.last, filters=filters, num_logprobs=self.num_logprobs)
+        return out._replace(tokens=tokens, logprob=lp, top_ids=top_ids, top_logprobs=top_lp)
+
+    def _note_compile(self, key: tuple):
+        if key not in self.compiled:
+            self.compiles_while_serving += 1
+            self.compiled.add(key)
+            log.warning("compiling %s while serving", key)
 
     def place(self, flat):
         """A flattened batch (:func:`k3jax.model.step.flatten_batch`; stacked per lane over a
@@ -248,7 +288,12 @@ class Runner:
         keys = self.bucket_keys()
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
-            jax.block_until_ready(self._call(*key).tokens)
+            out, batch = self._call(*key)
+            if self.split_sampling:
+                for filters in (False, True):
+                    self.compiled.add(("draw", len(batch.temperature), filters))
+                    out = self._draw(out, batch, filters)
+            jax.block_until_ready(out.tokens)
             self.compiled.add(key)
             log.info("compiled step %d/%d (decode rows %d, prefill tokens %d, window %d) in %.1fs", i + 1, len(keys),
                      *key, time.perf_counter() - t0)
@@ -276,11 +321,12 @@ class Runner:
         reading them does not wait for a step dispatched after this one."""
         key = self.bucket(max(len(p.decode) for p in plans), max(sum(len(r.tokens) for r in p.prefill) for p in plans),
                           any(len(r.tokens) > 1 for p in plans for r in p.decode))
-        if key not in self.compiled:
-            self.compiles_while_serving += 1
-            self.compiled.add(key)
-            log.warning("compiling step (decode rows %d, prefill tokens %d, window %d) while serving", *key)
-        out = self._call(*key, [(p.decode, p.prefill) for p in plans])
+        self._note_compile(key)
+        out, batch = self._call(*key, [(p.decode, p.prefill) for p in plans])
+        rows = [r for p in plans for r in p.decode + p.prefill]
+        if self.split_sampling and (logprobs or any(r.temperature > 0 for r in rows)):
+            out = self._draw(out, batch, logprobs or any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
+                                                         for r in rows))
         for x in (out.tokens, out.accepted, out.window) + ((out.logprob, out.top_ids, out.top_logprobs) if logprobs
                                                             else ()):
             if x is not None:

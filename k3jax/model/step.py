@@ -193,7 +193,10 @@ class StepOutput(NamedTuple):
     ``accepted i32[num_decode]`` draft tokens each decode row accepted (greedy rows; a draft is
     accepted while it equals the greedy token before it) and ``window i32[num_decode, W]`` the
     greedy token after each window position: the row emits ``tokens[i]`` then
-    ``window[i, 1 : accepted[i] + 1]``, and its state is committed after ``1 + accepted[i]`` tokens."""
+    ``window[i, 1 : accepted[i] + 1]``, and its state is committed after ``1 + accepted[i]`` tokens.
+    A step that leaves the sampling to a second call (``sample_rows=False``) has greedy ``tokens``,
+    no logprobs, and ``logits`` with ``positions i32[R]`` (the position each row samples at) for
+    :func:`sample`."""
 
     tokens: jax.Array
     logprob: jax.Array
@@ -202,6 +205,7 @@ class StepOutput(NamedTuple):
     logits: jax.Array | None
     accepted: jax.Array | None = None
     window: jax.Array | None = None
+    positions: jax.Array | None = None
 
 
 def prepare_params(cfg: ModelConfig, params, dtype=jnp.bfloat16):
@@ -665,7 +669,7 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     return latent_moe_out(cfg, p, y, linear) + _psum(dense_mlp(cfg, p["shared"], x), par.tensor)
 
 
-def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
+def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: bool = True):
     """Per-row sampling of ``logits f32[R, V]``: greedy where ``temperature == 0``, else
     temperature, top-k, top-p and a Gumbel draw keyed by ``fold_in(key(seed), position)``.
     Returns ``(tokens i32[R], logprob f32[R], top_ids i32[R, n], top_logprobs f32[R, n])`` with
@@ -676,31 +680,45 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0):
     logits, bit for bit; ``jax.lax.top_k`` beside a sort of values would be a second full sort
     on the GPU (XLA's top-k kernel stops at k = 16). The top ids are ranked by logit, ties by
     id: where two logits one rounding apart have the same log-probability, the larger comes
-    first (``top_k`` over the log-probabilities would put the lower id first)."""
+    first (``top_k`` over the log-probabilities would put the lower id first).
+
+    ``filters=False`` (static): no row filters (every ``top_k == 0`` and ``top_p >= 1``, which the
+    caller guarantees) and no top logprobs (``num_logprobs`` must be 0), so nothing is sorted;
+    the tokens and their logprobs are the same bits as with ``filters=True``."""
     R, V = logits.shape
+    if not filters and num_logprobs:
+        raise ValueError("top logprobs need the sort: filters=True")
     greedy = batch.temperature <= 0
     temp = jnp.where(greedy, 1.0, batch.temperature)[:, None]
     x = logits / temp
-    neg, order = jax.lax.sort((-logits, jax.lax.broadcasted_iota(i32, (R, V), 1)), dimension=1, is_stable=True,
-                              num_keys=1)  # descending; ties by id, as top_k
-    srt = -neg / temp
-    kth = jnp.take_along_axis(srt, jnp.clip(batch.top_k - 1, 0, V - 1)[:, None], axis=1)
-    x = jnp.where((batch.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    srt = jnp.where((batch.top_k[:, None] > 0) & (srt < kth), -jnp.inf, srt)
-    p = jax.nn.softmax(srt, axis=-1)
-    # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
-    before = jnp.cumsum(p, axis=-1) - p
-    kept = (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1)
-    cut = jnp.min(jnp.where(kept, srt, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x < cut, -jnp.inf, x)
+    top_ids = jnp.zeros((R, 0), i32)
+    if filters:
+        neg, order = jax.lax.sort((-logits, jax.lax.broadcasted_iota(i32, (R, V), 1)), dimension=1, is_stable=True,
+                                  num_keys=1)  # descending; ties by id, as top_k
+        x = _filter(x, -neg / temp, batch.top_k, batch.top_p)
+        top_ids = order[:, :num_logprobs]
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), t))(batch.seed, positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), f32))(keys)
     drawn = jnp.argmax(x + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(i32)
     lp = jax.nn.log_softmax(logits, axis=-1)
-    top_ids = order[:, :num_logprobs]
     top_lp = jnp.take_along_axis(lp, top_ids, axis=1)
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids, top_lp
+
+
+def _filter(x, srt, top_k, top_p):
+    """``x f32[R, V]`` with what each row's top-k and top-p filters drop set to -inf; ``srt`` is
+    ``x`` sorted in descending order."""
+    V = x.shape[1]
+    kth = jnp.take_along_axis(srt, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=1)
+    x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    srt = jnp.where((top_k[:, None] > 0) & (srt < kth), -jnp.inf, srt)
+    p = jax.nn.softmax(srt, axis=-1)
+    # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+    before = jnp.cumsum(p, axis=-1) - p
+    kept = (before < top_p[:, None]) | (top_p[:, None] >= 1)
+    cut = jnp.min(jnp.where(kept, srt, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x < cut, -jnp.inf, x)
 
 
 def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int, int], ...]:
@@ -813,11 +831,13 @@ class StepTrunk(NamedTuple):
 
 def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
                batch: StepBatch, *, window: int = 1, num_logprobs: int = 0, return_logits: bool = False,
-               par: Parallel = Parallel()):
+               sample_rows: bool = True, par: Parallel = Parallel()):
     """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``. With
     params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``. ``window``:
     tokens per decode row (1 + its most drafts; see :class:`StepBatch` and :class:`StepOutput`).
-    ``par``: one device's part of a sharded step (see :class:`Parallel`)."""
+    ``par``: one device's part of a sharded step (see :class:`Parallel`). ``sample_rows=False``:
+    greedy tokens only, and the logits for a :func:`sample` call that the caller makes when a row
+    draws or asks for logprobs (the sort and the Gumbel draw then cost nothing on greedy steps)."""
     if par.context and par.data:
         raise ValueError("context parallelism over a mesh with a data axis is not supported")
     rows = every = _rows(batch, num_decode, window)
@@ -894,7 +914,11 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         greedy = jnp.argmax(win_logits, -1).astype(i32).reshape(num_decode, window)
     else:
         logits = logits_of(last)
-    tokens, lp, top_ids, top_lp = sample(logits, batch, every.pos[last] + 1, num_logprobs)
+    positions = every.pos[last] + 1
+    if sample_rows:
+        tokens, lp, top_ids, top_lp = sample(logits, batch, positions, num_logprobs)
+    else:
+        tokens, lp, top_ids, top_lp = jnp.argmax(logits, axis=-1).astype(i32), None, None, None
     if greedy is not None:
         drafts = batch.tokens[:nt].reshape(num_decode, window)[:, 1:]
         ok = ((drafts == greedy[:, :-1]) & (jnp.arange(window - 1) < batch.draft[:num_decode, None])
@@ -902,7 +926,8 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(i32)
         layers, wins = (jax.tree.map(lambda *a: jnp.concatenate(a), *x) for x in zip(*windows))
         pool = commit_windows(lay, pool, batch, num_decode, layers, wins, accepted + 1)
-    return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits else None, accepted, greedy), pool
+    return StepOutput(tokens, lp, top_ids, top_lp, logits if return_logits or not sample_rows else None, accepted,
+                      greedy, None if sample_rows else positions), pool
 
 
 def _hidden(out, t, nt: int, axis: str | None):

@@ -11,13 +11,13 @@ import pytest
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
 from k3jax.model.mxfp4 import MXFP4
-from k3jax.model.step import StepKernels, layer_runs, prepare_params
+from k3jax.model.step import Row, StepKernels, batch_shapes, flatten_batch, layer_runs, pack_batch, prepare_params
 from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
 from serving.scheduler import Scheduler
 from serving import step_engine
-from serving.step_engine import StepEngine, _fed_step
+from serving.step_engine import StepEngine, _fed_step, draw_rows, sampling_params
 
 PROMPTS = [[5, 6, 7] * 30, [9] * 17, list(range(40, 100)), [200, 3, 77]]
 MAX_TOKENS = 6
@@ -147,6 +147,38 @@ def test_seeded_sampling_is_reproducible_and_stops(engine):
     while engine.has_work():
         engine.step()
     assert c.result.finish_reason == "stop" and c.result.token_ids == a.result.token_ids[:2]
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_drawing_after_the_step_equals_sampling_in_it(engine, filters):
+    """The engine's step samples greedily and :func:`draw_rows` draws the rest: the same tokens,
+    logprobs and stored last tokens, bit for bit, as the sampler inside the step; ``filters=False``
+    (no top-k, top-p or logprobs) sorts nothing and draws the same."""
+    r = engine.runner
+    params = [dict(temperature=0.0), dict(temperature=0.7, seed=3), dict(temperature=1.3, seed=4),
+              dict(temperature=1.0, seed=5)]
+    if filters:
+        params[2].update(top_k=5)
+        params[3].update(top_p=0.5)
+    rows = [Row([t], 0, [i], slot=10 + i, **sp) for i, (t, sp) in enumerate(zip([5, 9, 40, 200], params))]
+    batch = pack_batch(r.lay, rows, [], num_decode=4, num_tokens=4, num_rows=4, max_blocks=r.max_blocks,
+                       num_pages=r.num_pages, to_device=False)
+    n = r.num_logprobs if filters else 0
+
+    def step(sample_rows):
+        out, _, last = _fed_step(r.cfg, r.lay, r.kernels, 4, r.params, r.allocate_pool(), r.allocate_last(),
+                                 *r.place(flatten_batch(batch)), shapes=batch_shapes(batch), window=1,
+                                 num_logprobs=r.num_logprobs, sample_rows=sample_rows)
+        return out, last
+
+    (inline, last), (split, _) = step(True), step(False)
+    assert split.logprob is None and np.array_equal(split.tokens, np.argmax(split.logits, -1))
+    tokens, lp, top_ids, top_lp, drawn_last = draw_rows(split.logits, split.positions, sampling_params(batch),
+                                                        step(False)[1], filters=filters, num_logprobs=n)
+    assert not np.array_equal(tokens, split.tokens), "no row drew a token other than its greedy one"
+    for got, want in [(tokens, inline.tokens), (lp, inline.logprob), (drawn_last, last),
+                      (top_ids, inline.top_ids[:, :n]), (top_lp, inline.top_logprobs[:, :n])]:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_abort_and_bad_requests(engine):

@@ -125,7 +125,7 @@ def main():
                        prefill_buckets=a.prefill_buckets, **kw)
         e.warmup()
         rows.append({**base, "kind": "startup", "prefix_cache": prefix_cache, "seconds": time.perf_counter() - t0,
-                     "buckets": len(e.runner.compiled), "decode_buckets": e.runner.decode_buckets,
+                     "buckets": len(e.runner.bucket_keys()), "decode_buckets": e.runner.decode_buckets,
                      "prefill_buckets": e.runner.prefill_buckets, "pages": e.runner.num_pages})
         print(json.dumps(rows[-1]), flush=True)
         return e

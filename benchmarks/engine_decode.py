@@ -155,6 +155,7 @@ def main():
                      "host_ms": eng - wait, "wait_ms": wait, "engine_kernel_ms": eng_device,
                      "bare_kernel_ms": bare_device, "device_busy": eng_device / eng,
                      "engine_extra_kernel_ms": dict(sorted(extra.items(), key=lambda kv: -abs(kv[1]))[:6]),
+                     "engine_top_kernel_ms": {k: v * 1e3 for k, v in sorted(eng_kernels.items(), key=lambda kv: -kv[1])[:10]},
                      "floor_ms": floor, "engine_of_floor": floor and floor / eng, "copy_GB_s": bandwidth / 1e9,
                      "engine_tokens_per_s": B / eng * 1e3, "tokens_per_s_per_device": B / eng * 1e3 / devices,
                      "startup_s": startup,

@@ -14,6 +14,19 @@ HBM_BYTES_PER_S = 3.6e12
 BF16_FLOPS_PER_S = 790e12
 
 
+def balanced_routing(params):
+    """``params`` with every MoE router's score-correction bias zeroed, so that random weights
+    route decode rows as a trained model does (its bias balances the load; the decode floor
+    counts the experts of uniform routing). A random router saturates its sigmoid scores (logits
+    of std about 2.4 at the 48B width), so a random bias decides the top-k: with the bias of
+    :func:`k3jax.model.init_params`, 64 rows picked 72 distinct experts of 256 in a layer of the
+    48B shape, with it zeroed 220 (uniform routing: 222)."""
+    import jax.numpy as jnp
+
+    zero = lambda path, x: jnp.zeros_like(x) if getattr(path[-1], "key", None) == "bias" else x
+    return jax.tree_util.tree_map_with_path(zero, params)
+
+
 def time_jax(f, inputs, *, warmup=3, repeats=20):
     """Median seconds of ``f(*inputs[i % len(inputs)])`` with inputs rotated, after warm-up."""
     for i in range(warmup):

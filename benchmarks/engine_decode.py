@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import kernel_seconds, write_json
+from benchmarks.common import balanced_routing, kernel_seconds, write_json
 from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, decode_tokens, sliced_config
 from k3jax.model import init_params
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
@@ -128,7 +128,7 @@ def main():
     mesh = step_mesh(a.tensor, a.expert) if a.tensor * a.expert > 1 else None
     devices = 1 if mesh is None else mesh.size
     cfg = sliced_config(a.config, a.layers)
-    params = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    params = balanced_routing(init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
             "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor, "expert": a.expert}
     bandwidth = copy_bandwidth()

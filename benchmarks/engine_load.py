@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import write_json
+from benchmarks.common import balanced_routing, write_json
 from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
 from serving.engine import SamplingParams
@@ -119,7 +119,7 @@ def main():
 
     def engine(prefix_cache: bool, **kw) -> StepEngine:
         t0 = time.perf_counter()
-        params = random_params(cfg, jax.random.key(0), jnp.bfloat16)  # an engine consumes its params
+        params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # an engine consumes its params
         e = StepEngine(cfg, params=params, max_running=a.max_running, max_len=a.max_len, token_budget=a.budget,
                        max_prefill_rows=8, prefix_cache=prefix_cache, decode_buckets=a.decode_buckets,
                        prefill_buckets=a.prefill_buckets, **kw)

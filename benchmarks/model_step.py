@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import kernel_seconds, write_json
+from benchmarks.common import balanced_routing, kernel_seconds, write_json
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (PREFILL_TILE, Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params,
@@ -288,7 +288,7 @@ def main():
             for r in bench_ragged(cfg, t):
                 emit(r)
     t0 = time.perf_counter()
-    params = random_params(cfg, jax.random.key(0), mxfp4=a.mxfp4)
+    params = balanced_routing(random_params(cfg, jax.random.key(0), mxfp4=a.mxfp4))
     if a.scan_layers:
         params = stack_layers(cfg, params)
     jax.block_until_ready(params)

@@ -20,3 +20,34 @@ def test_script_shadows_no_module(name):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_script_imports(name):
     importlib.import_module(f"benchmarks.{name}")
+
+
+def test_balanced_routing_zeroes_the_router_bias_and_spreads_wide_routers():
+    """The decode floor counts the experts of uniform routing: at the 48B width a random bias
+    decides a saturated router's top-k, and :func:`benchmarks.common.balanced_routing` removes it."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.common import balanced_routing
+    from k3jax.model import ModelConfig, init_params
+    from k3jax.model.model import route
+    from serving.engine import CONFIGS
+
+    cfg = ModelConfig.from_json(f"{CONFIGS}/tiny.json")
+    params = init_params(cfg, jax.random.key(0))
+    out = balanced_routing(params)
+    flat, new = jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(out)
+    for (path, x), y in zip(flat, new):
+        biased = getattr(path[-1], "key", None) == "bias"
+        np.testing.assert_array_equal(y, np.zeros_like(x) if biased else x)
+    assert any(getattr(p[-1], "key", None) == "bias" for p, _ in flat)
+
+    wide = dataclasses.replace(cfg, num_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1)
+    mlp = init_params(dataclasses.replace(wide, hidden_size=2304), jax.random.key(1))["layers"][-1]["mlp"]
+    x = jax.random.normal(jax.random.key(2), (64, 2304))
+    distinct = lambda p: len(np.unique(np.asarray(route(wide, p, x)[1])))
+    uniform = 256 * (1 - (1 - 8 / 256) ** 64)
+    assert distinct(mlp) < 0.5 * uniform < 0.9 * uniform < distinct(balanced_routing(mlp))

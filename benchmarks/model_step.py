@@ -132,8 +132,8 @@ def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float, 
     batch = pack_batch(lay, rows, [], num_decode=B, num_tokens=B, num_rows=B, max_blocks=blocks, num_pages=num_pages)
     state = {"pool": pool}
 
-    def run():
-        out, state["pool"] = jit_step(cfg, lay, kernels, B, params, state["pool"], batch)
+    def run():  # greedy rows: the step as the engine runs it (sampling left to a call it skips)
+        out, state["pool"] = jit_step(cfg, lay, kernels, B, params, state["pool"], batch, sample_rows=False)
         return out.tokens
 
     t0 = time.perf_counter()

@@ -942,12 +942,13 @@ def _hidden(out, t, nt: int, axis: str | None):
     return h if nt == 0 else jnp.where((t < nt)[:, None], out[jnp.minimum(t, nt - 1)], h)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("window", "num_logprobs", "return_logits"),
-         donate_argnums=5)
-def jit_step(cfg, lay, kernels, num_decode, params, pool, batch, *, window=1, num_logprobs=0, return_logits=False):
+@partial(jax.jit, static_argnums=(0, 1, 2, 3),
+         static_argnames=("window", "num_logprobs", "return_logits", "sample_rows"), donate_argnums=5)
+def jit_step(cfg, lay, kernels, num_decode, params, pool, batch, *, window=1, num_logprobs=0, return_logits=False,
+             sample_rows=True):
     """:func:`model_step` jitted, the pool donated (updated in place)."""
     return model_step(cfg, lay, kernels, num_decode, params, pool, batch, window=window, num_logprobs=num_logprobs,
-                      return_logits=return_logits)
+                      return_logits=return_logits, sample_rows=sample_rows)
 
 
 class Row(NamedTuple):

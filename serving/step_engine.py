@@ -36,7 +36,8 @@ from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from pallas_kernels.mla.paged_decode import TILE as PAGED_MLA_TILE
 from pallas_kernels.mla.paged_decode import paged_mla_decode
 from pallas_kernels.moe.mxfp4_matmul import mxfp4_grouped_matmul
-from serving.engine import CONFIGS, EMBEDDED, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams, default_kernels
+from serving.engine import (CONFIGS, EMBEDDED, GREEDY_TEMPERATURE, MAX_LOGPROBS, EngineBase, NgramDrafter, SamplingParams,
+                            default_kernels)
 from serving.page_pool import PagePool
 from serving.prefix_cache import CacheConfig, PrefixCache, chain_hashes
 from serving.scheduler import Request, Scheduler, StepPlan
@@ -522,6 +523,8 @@ class StepEngine(EngineBase):
         """Queue a request (thread-safe); :class:`serving.engine.RequestError` for one that can never be served."""
         prompt = [int(t) for t in prompt]
         self.validate(prompt, sp)
+        if sp.temperature < GREEDY_TEMPERATURE:  # greedy (SamplingParams): no draw, drafts allowed
+            sp = dataclasses.replace(sp, temperature=0.0)
         seed = int(self._rng.integers(2**32)) if sp.seed is None else int(sp.seed) % 2**32
         with self._lock:  # against fail_running: a request is tracked and queued, or neither
             self.metrics["requests"] += 1

@@ -181,6 +181,17 @@ def test_drawing_after_the_step_equals_sampling_in_it(engine, filters):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_a_temperature_below_the_greedy_bound_is_greedy(engine, greedy_reference, monkeypatch):
+    """``SamplingParams``: a temperature under ``GREEDY_TEMPERATURE`` samples greedily, so the
+    step's greedy token stands and no sampler call runs."""
+    draws = []
+    real = engine.runner._draw
+    monkeypatch.setattr(engine.runner, "_draw", lambda *a: draws.append(1) or real(*a))
+    res = engine.generate(PROMPTS[:2], max_tokens=MAX_TOKENS, temperature=1e-6)
+    assert [r.token_ids for r in res] == greedy_reference[:2] and not draws
+    assert engine.generate(PROMPTS[:1], max_tokens=2, temperature=0.5, seed=1)[0].token_ids and draws
+
+
 def test_abort_and_bad_requests(engine):
     r = engine.submit(PROMPTS[0], SamplingParams(max_tokens=30))
     engine.step()

@@ -27,8 +27,7 @@ import numpy as np
 
 from benchmarks.common import balanced_routing, kernel_seconds, write_json
 from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, decode_tokens, sliced_config
-from k3jax.model import init_params
-from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
+from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch, random_params
 from serving.engine import SamplingParams
 from k3jax.parallel.sharded_step import step_mesh
 from serving.step_engine import StepEngine
@@ -128,7 +127,6 @@ def main():
     mesh = step_mesh(a.tensor, a.expert) if a.tensor * a.expert > 1 else None
     devices = 1 if mesh is None else mesh.size
     cfg = sliced_config(a.config, a.layers)
-    params = balanced_routing(init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
             "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor, "expert": a.expert}
     bandwidth = copy_bandwidth()
@@ -136,7 +134,9 @@ def main():
     for B in map(int, a.batches.split(",")):
         max_len = a.prompt + 2 * a.steps + PROFILED_STEPS + 64
         t0 = time.perf_counter()
-        engine = StepEngine((cfg, params), max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
+        # step-format weights built a layer at a time and consumed by the engine (the whole model fits once)
+        params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))
+        engine = StepEngine(cfg, params=params, max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
                             prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),
                             num_pages=a.pages_per_row * B + 64, mesh=mesh)
         engine.warmup()

@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.common import balanced_routing, write_json
 from benchmarks.model_step import sliced_config
-from k3jax.model import init_params
+from k3jax.model.step import random_params
 from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import SamplingParams
 from serving.step_engine import StepEngine
@@ -58,9 +58,9 @@ def main():
     a = ap.parse_args()
     mesh = step_mesh(1, a.expert) if a.expert > 1 else None
     cfg = sliced_config(a.config, a.layers)
-    params = balanced_routing(init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
+    params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # consumed by the engine
     t0 = time.perf_counter()
-    engine = StepEngine((cfg, params), max_running=4, max_len=a.prompt + 64, token_budget=a.budget,
+    engine = StepEngine(cfg, params=params, max_running=4, max_len=a.prompt + 64, token_budget=a.budget,
                         max_prefill_rows=1, prefix_cache=False, decode_buckets=(4,), prefill_buckets=(a.budget,),
                         mesh=mesh, context_parallel_from=a.context_from)
     engine.warmup()

@@ -17,6 +17,7 @@ on several GPUs (issue 55) ``--tensor 2`` or ``--expert 2`` beside a run without
 from __future__ import annotations
 
 import argparse
+import gc
 import datetime
 import json
 import time
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, kernel_seconds, write_json
+from benchmarks.common import balanced_routing, host_if, kernel_seconds, write_json
 from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, decode_tokens, sliced_config
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch, random_params
 from serving.engine import SamplingParams
@@ -135,7 +136,8 @@ def main():
         max_len = a.prompt + 2 * a.steps + PROFILED_STEPS + 64
         t0 = time.perf_counter()
         # step-format weights built a layer at a time and consumed by the engine (the whole model fits once)
-        params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))
+        with host_if(mesh):
+            params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))
         engine = StepEngine(cfg, params=params, max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
                             prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),
                             num_pages=a.pages_per_row * B + 64, mesh=mesh)
@@ -161,7 +163,8 @@ def main():
                      "startup_s": startup,
                      "compiles_while_serving": engine.runner.compiles_while_serving})
         print(json.dumps(rows[-1]), flush=True)
-        del engine
+        del engine, r, params  # before the next batch's weights exist
+        gc.collect()
     write_json(rows, "engine_decode.json")
 
 

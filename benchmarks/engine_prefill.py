@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, write_json
+from benchmarks.common import balanced_routing, host_if, write_json
 from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
 from k3jax.parallel.sharded_step import step_mesh
@@ -58,7 +58,8 @@ def main():
     a = ap.parse_args()
     mesh = step_mesh(1, a.expert) if a.expert > 1 else None
     cfg = sliced_config(a.config, a.layers)
-    params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # consumed by the engine
+    with host_if(mesh):
+        params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # consumed by the engine
     t0 = time.perf_counter()
     engine = StepEngine(cfg, params=params, max_running=4, max_len=a.prompt + 64, token_budget=a.budget,
                         max_prefill_rows=1, prefix_cache=False, decode_buckets=(4,), prefill_buckets=(a.budget,),

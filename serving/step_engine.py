@@ -328,6 +328,7 @@ class Runner:
         if self.split_sampling and (logprobs or any(r.temperature > 0 for r in rows)):
             out = self._draw(out, batch, logprobs or any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
                                                          for r in rows))
+        out = out._replace(logits=None, positions=None)  # not held while the step is in flight
         for x in (out.tokens, out.accepted, out.window) + ((out.logprob, out.top_ids, out.top_logprobs) if logprobs
                                                             else ()):
             if x is not None:

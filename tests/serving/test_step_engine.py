@@ -3,6 +3,7 @@ budgets, batch sizes and preemption; no compilation after warm-up; aborts; bad r
 
 import dataclasses
 import os
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -190,6 +191,41 @@ def test_a_temperature_below_the_greedy_bound_is_greedy(engine, greedy_reference
     res = engine.generate(PROMPTS[:2], max_tokens=MAX_TOKENS, temperature=1e-6)
     assert [r.token_ids for r in res] == greedy_reference[:2] and not draws
     assert engine.generate(PROMPTS[:1], max_tokens=2, temperature=0.5, seed=1)[0].token_ids and draws
+
+
+def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
+    """The engine's split sampling (a greedy step; the sampler call only when a row draws or asks
+    for logprobs, sorting only when one filters or asks for logprobs) gives the tokens and
+    logprobs of the same engine sampling inside every step, over greedy (with drafts), seeded,
+    top-k, top-p and logprobs requests in the same steps; nothing compiles while serving."""
+    def engine(split: bool):
+        e = _engine(speculative=2, drafter=_OracleDrafter(PROMPTS, greedy_reference))
+        if not split:  # as on a mesh
+            r = e.runner
+            r.split_sampling, r._step = False, partial(_fed_step, r.cfg, r.lay, r.kernels, sample_rows=True)
+        e.warmup()
+        return e
+
+    sp = partial(SamplingParams, max_tokens=MAX_TOKENS)
+    workloads = [[sp(), sp(temperature=0.9, seed=1), sp(temperature=1.2, top_k=5, seed=2),  # no logprobs:
+                  sp(temperature=0.7, top_p=0.6, seed=3)],  # the filters alone decide the sort
+                 [sp(temperature=1.2, top_k=5, seed=2, logprobs=3), sp(logprobs=2)]]
+
+    def run(e):
+        out = []
+        for sps in workloads:
+            reqs = [e.submit(p, s) for p, s in zip(PROMPTS, sps)]
+            while e.has_work():
+                e.step()
+            out += [(r.result.token_ids, r.result.logprobs) for r in reqs]
+        return out
+
+    split, inline = engine(True), engine(False)
+    traced = draw_rows._cache_size()
+    got = run(split)
+    assert got == run(inline) and got[0][0] == greedy_reference[0]
+    assert split.metrics["accepted_drafts"] > 0 and split.runner.compiles_while_serving == 0
+    assert draw_rows._cache_size() == traced
 
 
 def test_abort_and_bad_requests(engine):

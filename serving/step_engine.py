@@ -265,7 +265,7 @@ class Runner:
 
     def _draw(self, out, batch: StepBatch, filters: bool):
         """Sample the rows of a step that left it out (:func:`draw_rows`); ``filters``: some row
-        has top-k or top-p, or logprobs are wanted."""
+        has top-k or top-p, or top logprobs are wanted (the sort)."""
         self._note_compile(("draw", len(batch.temperature), filters))
         tokens, lp, top_ids, top_lp, self.last = draw_rows(out.logits, out.positions, sampling_params(batch),
                                                            self.last, filters=filters, num_logprobs=self.num_logprobs)
@@ -326,8 +326,9 @@ class Runner:
         out, batch = self._call(*key, [(p.decode, p.prefill) for p in plans])
         rows = [r for p in plans for r in p.decode + p.prefill]
         if self.split_sampling and (logprobs or any(r.temperature > 0 for r in rows)):
-            out = self._draw(out, batch, logprobs or any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
-                                                         for r in rows))
+            top_ids = any((r.sp.logprobs or 0) > 0 for p in plans for r in p.requests)  # logprobs=0: no sort
+            out = self._draw(out, batch, top_ids or any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
+                                                        for r in rows))
         out = out._replace(logits=None, positions=None)  # not held while the step is in flight
         for x in (out.tokens, out.accepted, out.window) + ((out.logprob, out.top_ids, out.top_logprobs) if logprobs
                                                             else ()):

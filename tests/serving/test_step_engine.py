@@ -209,7 +209,8 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     sp = partial(SamplingParams, max_tokens=MAX_TOKENS)
     workloads = [[sp(), sp(temperature=0.9, seed=1), sp(temperature=1.2, top_k=5, seed=2),  # no logprobs:
                   sp(temperature=0.7, top_p=0.6, seed=3)],  # the filters alone decide the sort
-                 [sp(temperature=1.2, top_k=5, seed=2, logprobs=3), sp(logprobs=2)]]
+                 [sp(temperature=1.2, top_k=5, seed=2, logprobs=3), sp(logprobs=2)],
+                 [sp(temperature=0.9, seed=4, logprobs=0), sp(logprobs=0)]]  # logprobs 0: no sort
 
     def run(e):
         out = []

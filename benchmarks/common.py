@@ -27,14 +27,6 @@ def balanced_routing(params):
     return jax.tree_util.tree_map_with_path(zero, params)
 
 
-def host_if(mesh):
-    """A context that builds arrays in host memory when ``mesh`` is given (the engine places them
-    on the mesh shard by shard: no device holds the whole model on the way), else nothing."""
-    import contextlib
-
-    return contextlib.nullcontext() if mesh is None else jax.default_device(jax.local_devices(backend="cpu")[0])
-
-
 def time_jax(f, inputs, *, warmup=3, repeats=20):
     """Median seconds of ``f(*inputs[i % len(inputs)])`` with inputs rotated, after warm-up."""
     for i in range(warmup):

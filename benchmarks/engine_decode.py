@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, host_if, kernel_seconds, write_json
+from benchmarks.common import balanced_routing, kernel_seconds, write_json
 from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, decode_tokens, sliced_config
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch, random_params
 from serving.engine import SamplingParams
-from k3jax.parallel.sharded_step import step_mesh
+from k3jax.parallel.sharded_step import host_memory_if, step_mesh
 from serving.step_engine import StepEngine
 
 
@@ -136,7 +136,7 @@ def main():
         max_len = a.prompt + 2 * a.steps + PROFILED_STEPS + 64
         t0 = time.perf_counter()
         # step-format weights built a layer at a time and consumed by the engine (the whole model fits once)
-        with host_if(mesh):
+        with host_memory_if(mesh):
             params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))
         engine = StepEngine(cfg, params=params, max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
                             prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, host_if, write_json
+from benchmarks.common import balanced_routing, write_json
 from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
-from k3jax.parallel.sharded_step import step_mesh
+from k3jax.parallel.sharded_step import host_memory_if, step_mesh
 from serving.engine import SamplingParams
 from serving.step_engine import StepEngine
 
@@ -58,7 +58,7 @@ def main():
     a = ap.parse_args()
     mesh = step_mesh(1, a.expert) if a.expert > 1 else None
     cfg = sliced_config(a.config, a.layers)
-    with host_if(mesh):
+    with host_memory_if(mesh):
         params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # consumed by the engine
     t0 = time.perf_counter()
     engine = StepEngine(cfg, params=params, max_running=4, max_len=a.prompt + 64, token_budget=a.budget,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import device_seconds, write_json
-from k3jax.model.step import StepBatch, sample
+from k3jax.model.step import StepBatch, filter_logits, sample
 
 
 def sample_two_sorts(logits, batch, positions, num_logprobs):
@@ -26,13 +26,7 @@ def sample_two_sorts(logits, batch, positions, num_logprobs):
     V = logits.shape[-1]
     greedy = batch.temperature <= 0
     x = logits / jnp.where(greedy, 1.0, batch.temperature)[:, None]
-    srt = jnp.sort(x, axis=-1)[:, ::-1]
-    kth = jnp.take_along_axis(srt, jnp.clip(batch.top_k - 1, 0, V - 1)[:, None], axis=1)
-    x = jnp.where((batch.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    srt = jnp.where((batch.top_k[:, None] > 0) & (srt < kth), -jnp.inf, srt)
-    p = jax.nn.softmax(srt, axis=-1)
-    kept = (jnp.cumsum(p, axis=-1) - p < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1)
-    x = jnp.where(x < jnp.min(jnp.where(kept, srt, jnp.inf), axis=-1, keepdims=True), -jnp.inf, x)
+    x = filter_logits(x, jnp.sort(x, axis=-1)[:, ::-1], batch.top_k, batch.top_p)
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), t))(batch.seed, positions)
     drawn = jnp.argmax(x + jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys), axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

@@ -7,7 +7,6 @@ Speculative decoding runs on the step: a request's drafts ride in its decode row
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -29,8 +28,9 @@ from k3jax.model.step import (Parallel, StepBatch, StepKernels, batch_shapes, fl
                               model_step, pack_batch, prepare_layer, prepare_params, sample, stack_layers,
                               unflatten_batch)
 from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
-from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, local_config, local_layout,
-                                         param_specs, place_streamed, put_global, shard_params, shard_step)
+from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, host_memory_if, local_config,
+                                         local_layout, param_specs, place_streamed, put_global, shard_params,
+                                         shard_step)
 from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS
 from pallas_kernels.mla.paged_decode import TILE as PAGED_MLA_TILE
@@ -290,8 +290,8 @@ class Runner:
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
             out, batch = self._call(*key)
-            if self.split_sampling:
-                for filters in (False, True):
+            for filters in (False, True) if self.split_sampling else ():  # once per row count
+                if ("draw", len(batch.temperature), filters) not in self.compiled:
                     self.compiled.add(("draw", len(batch.temperature), filters))
                     out = self._draw(out, batch, filters)
             jax.block_until_ready(out.tokens)
@@ -324,12 +324,12 @@ class Runner:
                           any(len(r.tokens) > 1 for p in plans for r in p.decode))
         self._note_compile(key)
         out, batch = self._call(*key, [(p.decode, p.prefill) for p in plans])
-        rows = [r for p in plans for r in p.decode + p.prefill]
-        if self.split_sampling and (logprobs or any(r.temperature > 0 for r in rows)):
-            top_ids = any((r.sp.logprobs or 0) > 0 for p in plans for r in p.requests)  # logprobs=0: no sort
-            out = self._draw(out, batch, top_ids or any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
-                                                        for r in rows))
-        out = out._replace(logits=None, positions=None)  # not held while the step is in flight
+        if self.split_sampling:
+            sps = [r.sp for p in plans for r in p.requests]
+            if logprobs or any(sp.temperature > 0 for sp in sps):  # the sort for filters or top logprobs
+                out = self._draw(out, batch, any((sp.logprobs or 0) > 0 or sp.temperature > 0 and
+                                                 (sp.top_k > 0 or sp.top_p < 1) for sp in sps))
+            out = out._replace(logits=None, positions=None)  # not held while the step is in flight
         for x in (out.tokens, out.accepted, out.window) + ((out.logprob, out.top_ids, out.top_logprobs) if logprobs
                                                             else ()):
             if x is not None:
@@ -435,7 +435,7 @@ class StepEngine(EngineBase):
         # holds the whole model on the way); a checkpoint directory one layer at a time (nor does the host)
         plan = None if mesh is None else MeshPlan(mesh)
         specs = None  # the params' specs once they are on the mesh
-        with jax.default_device(jax.local_devices(backend="cpu")[0]) if mesh is not None else contextlib.nullcontext():
+        with host_memory_if(mesh):
             if params is None and plan is not None and isinstance(model, str) and model not in EMBEDDED:
                 self.cfg, params, specs = load_on_mesh(model, dtype, plan, scan_layers)
             elif params is None:

@@ -695,7 +695,7 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: 
     if filters:
         neg, order = jax.lax.sort((-logits, jax.lax.broadcasted_iota(i32, (R, V), 1)), dimension=1, is_stable=True,
                                   num_keys=1)  # descending; ties by id, as top_k
-        x = _filter(x, -neg / temp, batch.top_k, batch.top_p)
+        x = filter_logits(x, -neg / temp, batch.top_k, batch.top_p)
         top_ids = order[:, :num_logprobs]
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), t))(batch.seed, positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), f32))(keys)
@@ -706,7 +706,7 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: 
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids, top_lp
 
 
-def _filter(x, srt, top_k, top_p):
+def filter_logits(x, srt, top_k, top_p):
     """``x f32[R, V]`` with what each row's top-k and top-p filters drop set to -inf; ``srt`` is
     ``x`` sorted in descending order."""
     V = x.shape[1]

@@ -30,6 +30,7 @@ runs each device's part of a long prefill (KDA by KCP, MLA from every device's l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -138,6 +139,12 @@ def step_mesh(tensor: int, expert: int = 1, devices=None, data: int = 1) -> Mesh
     axes = [(n, d) for n, d in ((DATA, data), (TENSOR, tensor), (EXPERT, expert)) if d > 1 or n == TENSOR]
     names, shape = zip(*axes)
     return Mesh(np.array(devices[: math.prod(shape)]).reshape(shape), names)
+
+
+def host_memory_if(mesh: Mesh | None):
+    """A context that builds arrays in host memory when ``mesh`` is given (they are placed on the
+    mesh shard by shard afterwards: no device holds the whole model on the way), else nothing."""
+    return contextlib.nullcontext() if mesh is None else jax.default_device(jax.local_devices(backend="cpu")[0])
 
 
 def local_config(cfg: ModelConfig, plan: MeshPlan) -> ModelConfig:

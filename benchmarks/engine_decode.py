@@ -17,6 +17,7 @@ on several GPUs (issue 55) ``--tensor 2`` or ``--expert 2`` beside a run without
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import datetime
 import json
@@ -37,14 +38,17 @@ from serving.step_engine import StepEngine
 PROFILED_STEPS = 20
 
 
-def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0) -> tuple[float, float, dict]:
-    """Milliseconds per engine step once ``B`` requests of ``prompt`` tokens all decode; of them
+def engine_decode_ms(engine: StepEngine, B: int, prompt: int, steps: int, seed: int = 0,
+                     temperature: float = 0.0, top_p: float = 1.0) -> tuple[float, float, dict]:
+    """Milliseconds per engine step once ``B`` requests of ``prompt`` tokens (sampling with
+    ``temperature`` and ``top_p``, each its own seed) all decode; of them
     the milliseconds the host waited for the device (the rest is host work); and the device's
     seconds per step by kernel from a profile of :data:`PROFILED_STEPS` more (empty without
     a GPU). Kernel time over step time is the fraction of the step the device is busy."""
     rng = np.random.default_rng(seed)
-    sp = SamplingParams(max_tokens=engine.max_len - prompt)
-    reqs = [engine.submit(rng.integers(3, engine.cfg.vocab_size, prompt).tolist(), sp) for _ in range(B)]
+    sp = SamplingParams(max_tokens=engine.max_len - prompt, temperature=temperature, top_p=top_p)
+    reqs = [engine.submit(rng.integers(3, engine.cfg.vocab_size, prompt).tolist(), dataclasses.replace(sp, seed=i))
+            for i in range(B)]
     while any(not r.out for r in reqs):
         engine.step()
     for _ in range(3):
@@ -122,6 +126,8 @@ def main():
     ap.add_argument("--tensor", type=int, default=1, help="a mesh's tensor axis (issue 55's TP runs; 1 and --expert 1: "
                                                           "one device)")
     ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the requests' (with --temperature)")
     ap.add_argument("--inline-sampler", action="store_true",
                     help="also time the bare step with the sampler inside it (its sort on every step)")
     a = ap.parse_args()
@@ -129,7 +135,8 @@ def main():
     devices = 1 if mesh is None else mesh.size
     cfg = sliced_config(a.config, a.layers)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
-            "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor, "expert": a.expert}
+            "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor, "expert": a.expert,
+            "temperature": a.temperature, "top_p": a.top_p}
     bandwidth = copy_bandwidth()
     rows = []
     for B in map(int, a.batches.split(",")):
@@ -143,7 +150,7 @@ def main():
                             num_pages=a.pages_per_row * B + 64, mesh=mesh)
         engine.warmup()
         startup = time.perf_counter() - t0
-        eng, wait, eng_kernels = engine_decode_ms(engine, B, a.prompt, a.steps)
+        eng, wait, eng_kernels = engine_decode_ms(engine, B, a.prompt, a.steps, temperature=a.temperature, top_p=a.top_p)
         bare, bare_kernels = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps)
         inline = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps, sample_rows=True)[0] \
             if a.inline_sampler and mesh is None else None

@@ -24,9 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.loader import HFCheckpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import (Parallel, StepBatch, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries,
-                              model_step, pack_batch, prepare_layer, prepare_params, sample, stack_layers,
-                              unflatten_batch)
+from k3jax.model.step import (WALK_TOP_K, Parallel, StepBatch, StepKernels, batch_shapes, flatten_batch,
+                              import_kernel_libraries, model_step, pack_batch, prepare_layer, prepare_params, sample,
+                              stack_layers, unflatten_batch)
 from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, host_memory_if, local_config,
                                          local_layout, param_specs, place_streamed, put_global, shard_params,
@@ -119,7 +119,7 @@ _fed_step = jax.jit(fed_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6)
 
 
 @partial(jax.jit, static_argnames=("filters", "num_logprobs"), donate_argnums=3)
-def draw_rows(logits, positions, params, last, *, filters: bool, num_logprobs: int):
+def draw_rows(logits, positions, params, last, *, filters: str, num_logprobs: int):
     """The sampling a step left out (``sample_rows=False``): :func:`k3jax.model.step.sample` of its
     ``logits`` with the rows' ``params`` (:func:`sampling_params`), the drawn tokens stored in
     ``last`` for their slots (a greedy row's token is the step's, stored already). Returns
@@ -127,9 +127,19 @@ def draw_rows(logits, positions, params, last, *, filters: bool, num_logprobs: i
     ints, temperature, top_p = params
     batch = StepBatch(*[None] * 10, temperature=temperature, top_k=ints[0],
                       top_p=top_p, seed=jax.lax.bitcast_convert_type(ints[1], jnp.uint32))
-    tokens, lp, top_ids, top_lp = sample(logits, batch, positions, num_logprobs if filters else 0, filters)
+    tokens, lp, top_ids, top_lp = sample(logits, batch, positions, num_logprobs if filters == "sort" else 0, filters)
     slots = jnp.where((temperature > 0) & (ints[2] >= 0), ints[2], last.shape[0])
     return tokens, lp, top_ids, top_lp, last.at[slots].set(tokens, mode="drop")
+
+
+def draw_filters(sps: list[SamplingParams]) -> str:
+    """How a sampler call applies its rows' filters (:func:`k3jax.model.step.sample`): ``"sort"``
+    for top logprobs or a drawing row's ``top_k`` over ``WALK_TOP_K``, ``"walk"`` for other top-k
+    or top-p filters, else ``"none"``."""
+    drawn = [sp for sp in sps if sp.temperature > 0]
+    if any((sp.logprobs or 0) > 0 for sp in sps) or any(sp.top_k > WALK_TOP_K for sp in drawn):
+        return "sort"
+    return "walk" if any(sp.top_k > 0 or sp.top_p < 1 for sp in drawn) else "none"
 
 
 def sampling_params(batch: StepBatch):
@@ -263,9 +273,9 @@ class Runner:
                                                num_logprobs=self.num_logprobs, **kw)
         return out, batches[0]
 
-    def _draw(self, out, batch: StepBatch, filters: bool):
-        """Sample the rows of a step that left it out (:func:`draw_rows`); ``filters``: some row
-        has top-k or top-p, or top logprobs are wanted (the sort)."""
+    def _draw(self, out, batch: StepBatch, filters: str):
+        """Sample the rows of a step that left it out (:func:`draw_rows`), their filters applied as
+        ``filters`` says (:func:`draw_filters`)."""
         self._note_compile(("draw", len(batch.temperature), filters))
         tokens, lp, top_ids, top_lp, self.last = draw_rows(out.logits, out.positions, sampling_params(batch),
                                                            self.last, filters=filters, num_logprobs=self.num_logprobs)
@@ -290,7 +300,7 @@ class Runner:
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
             out, batch = self._call(*key)
-            for filters in (False, True) if self.split_sampling else ():  # once per row count
+            for filters in ("none", "walk", "sort") if self.split_sampling else ():  # once per row count
                 if ("draw", len(batch.temperature), filters) not in self.compiled:
                     self.compiled.add(("draw", len(batch.temperature), filters))
                     out = self._draw(out, batch, filters)
@@ -326,9 +336,8 @@ class Runner:
         out, batch = self._call(*key, [(p.decode, p.prefill) for p in plans])
         if self.split_sampling:
             sps = [r.sp for p in plans for r in p.requests]
-            if logprobs or any(sp.temperature > 0 for sp in sps):  # the sort for filters or top logprobs
-                out = self._draw(out, batch, any((sp.logprobs or 0) > 0 or sp.temperature > 0 and
-                                                 (sp.top_k > 0 or sp.top_p < 1) for sp in sps))
+            if logprobs or any(sp.temperature > 0 for sp in sps):
+                out = self._draw(out, batch, draw_filters(sps))
             out = out._replace(logits=None, positions=None)  # not held while the step is in flight
         for x in (out.tokens, out.accepted, out.window) + ((out.logprob, out.top_ids, out.top_logprobs) if logprobs
                                                             else ()):

@@ -669,41 +669,92 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     return latent_moe_out(cfg, p, y, linear) + _psum(dense_mlp(cfg, p["shared"], x), par.tensor)
 
 
-def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: bool = True):
+WALK_TOP_K = 16  # the largest top_k the walk takes: XLA's GPU top-k kernel stops at 16 (a larger k: a full sort)
+WALK_DRAWS = 32  # a row still walking after this many draws (never seen; NaN logits) sends its batch to the sort
+
+
+def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: str = "sort"):
     """Per-row sampling of ``logits f32[R, V]``: greedy where ``temperature == 0``, else
     temperature, top-k, top-p and a Gumbel draw keyed by ``fold_in(key(seed), position)``.
     Returns ``(tokens i32[R], logprob f32[R], top_ids i32[R, n], top_logprobs f32[R, n])`` with
     log-probabilities of the unfiltered, untempered distribution.
 
-    One stable sort of the logits, with their ids, serves the filters and the top ``n``: a
-    positive temperature keeps the order, so the sorted logits over it are the sorted tempered
-    logits, bit for bit; ``jax.lax.top_k`` beside a sort of values would be a second full sort
-    on the GPU (XLA's top-k kernel stops at k = 16). The top ids are ranked by logit, ties by
-    id: where two logits one rounding apart have the same log-probability, the larger comes
-    first (``top_k`` over the log-probabilities would put the lower id first).
+    ``filters`` (static) says how the top-k and top-p filters are applied:
 
-    ``filters=False`` (static): no row filters (every ``top_k == 0`` and ``top_p >= 1``, which the
-    caller guarantees) and no top logprobs (``num_logprobs`` must be 0), so nothing is sorted;
-    the tokens and their logprobs are the same bits as with ``filters=True``."""
+    - ``"sort"``: one stable sort of the logits, with their ids, serves the filters and the top
+      ``n``: a positive temperature keeps the order, so the sorted logits over it are the sorted
+      tempered logits, bit for bit; ``jax.lax.top_k`` beside a sort of values would be a second
+      full sort on the GPU (XLA's top-k kernel stops at k = 16). The top ids are ranked by
+      logit, ties by id: where two logits one rounding apart have the same log-probability, the
+      larger comes first (``top_k`` over the log-probabilities would put the lower id first).
+    - ``"walk"``: no sort (:func:`walk_draw`); for rows with ``top_k <= WALK_TOP_K`` and no top
+      logprobs (``num_logprobs`` must be 0), which the caller guarantees. The same tokens as
+      ``"sort"``, up to the rounding of the top-p mass.
+    - ``"none"``: no row filters (every ``top_k == 0`` and ``top_p >= 1``, which the caller
+      guarantees) and no top logprobs; the same bits as ``"sort"``."""
     R, V = logits.shape
-    if not filters and num_logprobs:
-        raise ValueError("top logprobs need the sort: filters=True")
+    if filters not in ("none", "walk", "sort"):
+        raise ValueError(f"filters must be 'none', 'walk' or 'sort', got {filters!r}")
+    if filters != "sort" and num_logprobs:
+        raise ValueError("top logprobs need the sort: filters='sort'")
     greedy = batch.temperature <= 0
     temp = jnp.where(greedy, 1.0, batch.temperature)[:, None]
     x = logits / temp
     top_ids = jnp.zeros((R, 0), i32)
-    if filters:
+    if filters == "sort":
         neg, order = jax.lax.sort((-logits, jax.lax.broadcasted_iota(i32, (R, V), 1)), dimension=1, is_stable=True,
                                   num_keys=1)  # descending; ties by id, as top_k
         x = filter_logits(x, -neg / temp, batch.top_k, batch.top_p)
         top_ids = order[:, :num_logprobs]
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), t))(batch.seed, positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), f32))(keys)
-    drawn = jnp.argmax(x + gumbel, axis=-1)
+    if filters == "walk":
+        drawn = walk_draw(x, gumbel, batch.top_k, batch.top_p)
+    else:
+        drawn = jnp.argmax(x + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(i32)
     lp = jax.nn.log_softmax(logits, axis=-1)
     top_lp = jnp.take_along_axis(lp, top_ids, axis=1)
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids, top_lp
+
+
+def walk_draw(x, noise, top_k, top_p, max_draws: int = WALK_DRAWS):
+    """``argmax(x + noise)`` over each row's top-k and top-p set of ``x f32[R, V]``, without a sort.
+
+    The top-k cut is the k-th value of ``jax.lax.top_k(x, WALK_TOP_K)`` (rows' ``top_k`` at most
+    ``WALK_TOP_K``). For top-p, a token of value ``v`` is in the set when the mass of the tokens
+    above ``v`` is under ``top_p`` (the sorted filter's exclusive cumulative sum at ``v``'s first
+    place, so ties go together as there). The walk takes the perturbed argmax over the
+    candidates; if it is out of the set, so is every token at or below its value, and it walks
+    on over the tokens above. Its answer is the perturbed argmax over the set, the sort's token;
+    with Gumbel noise each step draws in proportion to the probabilities, so the candidates'
+    mass about halves each draw and a draw lands in the set with probability at least
+    ``top_p``: a few draws, each one pass over the logits (all rows walk until the last is in).
+    Rows still out after ``max_draws`` draws take the sort."""
+    R, V = x.shape
+    rows = jnp.arange(R)
+
+    def cut_top_k(x):
+        vals = jax.lax.top_k(x, min(WALK_TOP_K, V))[0]
+        kth = vals[rows, jnp.clip(top_k - 1, 0, vals.shape[1] - 1)]
+        return jnp.where((top_k[:, None] > 0) & (x < kth[:, None]), -jnp.inf, x)
+
+    x = jax.lax.cond(jnp.any(top_k > 0), cut_top_k, lambda x: x, x)
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    bound = top_p * jnp.sum(e, axis=-1)
+    y = x + noise
+
+    def draw(state):
+        n, floor, token, done = state
+        j = jnp.argmax(jnp.where(x > floor[:, None], y, -jnp.inf), axis=-1).astype(i32)
+        v = x[rows, j]
+        kept = (jnp.sum(jnp.where(x > v[:, None], e, 0.0), axis=-1) < bound) | (top_p >= 1)
+        return n + 1, jnp.where(done, floor, v), jnp.where(done, token, j), done | kept
+
+    start = (0, jnp.full((R,), -jnp.inf, f32), jnp.zeros((R,), i32), jnp.zeros((R,), bool))
+    _, _, token, done = jax.lax.while_loop(lambda s: (s[0] < max_draws) & ~jnp.all(s[3]), draw, start)
+    return jax.lax.cond(jnp.all(done), lambda: token, lambda: jnp.argmax(
+        filter_logits(x, -jnp.sort(-x, axis=-1), top_k, top_p) + noise, axis=-1).astype(i32))
 
 
 def filter_logits(x, srt, top_k, top_p):

@@ -12,7 +12,8 @@ import pytest
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
 from k3jax.model.mxfp4 import MXFP4
-from k3jax.model.step import Row, StepKernels, batch_shapes, flatten_batch, layer_runs, pack_batch, prepare_params
+from k3jax.model.step import (WALK_TOP_K, Row, StepKernels, batch_shapes, flatten_batch, layer_runs, pack_batch,
+                              prepare_params)
 from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
@@ -150,21 +151,22 @@ def test_seeded_sampling_is_reproducible_and_stops(engine):
     assert c.result.finish_reason == "stop" and c.result.token_ids == a.result.token_ids[:2]
 
 
-@pytest.mark.parametrize("filters", [False, True])
+@pytest.mark.parametrize("filters", ["none", "walk", "sort"])
 def test_drawing_after_the_step_equals_sampling_in_it(engine, filters):
     """The engine's step samples greedily and :func:`draw_rows` draws the rest: the same tokens,
-    logprobs and stored last tokens, bit for bit, as the sampler inside the step; ``filters=False``
-    (no top-k, top-p or logprobs) sorts nothing and draws the same."""
+    logprobs and stored last tokens, bit for bit, as the sampler inside the step; ``"none"`` (no
+    top-k, top-p or logprobs) and ``"walk"`` (top-k and top-p, no logprobs) sort nothing and draw
+    the same."""
     r = engine.runner
     params = [dict(temperature=0.0), dict(temperature=0.7, seed=3), dict(temperature=1.3, seed=4),
               dict(temperature=1.0, seed=5)]
-    if filters:
+    if filters != "none":
         params[2].update(top_k=5)
         params[3].update(top_p=0.5)
     rows = [Row([t], 0, [i], slot=10 + i, **sp) for i, (t, sp) in enumerate(zip([5, 9, 40, 200], params))]
     batch = pack_batch(r.lay, rows, [], num_decode=4, num_tokens=4, num_rows=4, max_blocks=r.max_blocks,
                        num_pages=r.num_pages, to_device=False)
-    n = r.num_logprobs if filters else 0
+    n = r.num_logprobs if filters == "sort" else 0
 
     def step(sample_rows):
         out, _, last = _fed_step(r.cfg, r.lay, r.kernels, 4, r.params, r.allocate_pool(), r.allocate_last(),
@@ -195,9 +197,10 @@ def test_a_temperature_below_the_greedy_bound_is_greedy(engine, greedy_reference
 
 def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     """The engine's split sampling (a greedy step; the sampler call only when a row draws or asks
-    for logprobs, sorting only when one filters or asks for logprobs) gives the tokens and
-    logprobs of the same engine sampling inside every step, over greedy (with drafts), seeded,
-    top-k, top-p and logprobs requests in the same steps; nothing compiles while serving."""
+    for logprobs, walking for top-k and top-p, sorting only for top logprobs or a large top-k)
+    gives the tokens and logprobs of the same engine sampling inside every step (the sort), over
+    greedy (with drafts), seeded, top-k, top-p and logprobs requests in the same steps; nothing
+    compiles while serving."""
     def engine(split: bool):
         e = _engine(speculative=2, drafter=_OracleDrafter(PROMPTS, greedy_reference))
         if not split:  # as on a mesh
@@ -208,9 +211,10 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
 
     sp = partial(SamplingParams, max_tokens=MAX_TOKENS)
     workloads = [[sp(), sp(temperature=0.9, seed=1), sp(temperature=1.2, top_k=5, seed=2),  # no logprobs:
-                  sp(temperature=0.7, top_p=0.6, seed=3)],  # the filters alone decide the sort
-                 [sp(temperature=1.2, top_k=5, seed=2, logprobs=3), sp(logprobs=2)],
-                 [sp(temperature=0.9, seed=4, logprobs=0), sp(logprobs=0)]]  # logprobs 0: no sort
+                  sp(temperature=0.7, top_p=0.6, seed=3)],  # the walk
+                 [sp(temperature=1.2, top_k=5, seed=2, logprobs=3), sp(logprobs=2)],  # the sort
+                 [sp(temperature=0.9, seed=4, logprobs=0), sp(logprobs=0)],  # logprobs 0: neither
+                 [sp(temperature=1.1, top_k=WALK_TOP_K + 1, top_p=0.8, seed=5)]]  # the sort
 
     def run(e):
         out = []
@@ -222,8 +226,10 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
         return out
 
     split, inline = engine(True), engine(False)
-    traced = draw_rows._cache_size()
+    traced, modes, draw = draw_rows._cache_size(), set(), split.runner._draw
+    split.runner._draw = lambda out, batch, filters: modes.add(filters) or draw(out, batch, filters)
     got = run(split)
+    assert modes == {"none", "walk", "sort"}
     assert got == run(inline) and got[0][0] == greedy_reference[0]
     assert split.metrics["accepted_drafts"] > 0 and split.runner.compiles_while_serving == 0
     assert draw_rows._cache_size() == traced

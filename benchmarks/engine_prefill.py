@@ -16,6 +16,7 @@ the mesh flags (writes ``$OUT/engine_prefill.json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import time
@@ -29,11 +30,11 @@ from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
 from k3jax.parallel.sharded_step import host_memory_if, step_mesh
 from serving.engine import SamplingParams
-from serving.step_engine import StepEngine
+from serving.step_engine import StepEngine, default_step_kernels
 
 
-def ttft_s(engine: StepEngine, prompt: int, seed: int) -> float:
-    """Seconds from submitting a ``prompt``-token request to its first token."""
+def ttft_s(engine: StepEngine, prompt: int, seed: int) -> tuple[float, int]:
+    """Seconds from submitting a ``prompt``-token request to its first token, and that token."""
     tokens = np.random.default_rng(seed).integers(3, engine.cfg.vocab_size, prompt).tolist()
     t0 = time.perf_counter()
     r = engine.submit(tokens, SamplingParams(max_tokens=2))
@@ -42,7 +43,7 @@ def ttft_s(engine: StepEngine, prompt: int, seed: int) -> float:
     dt = time.perf_counter() - t0
     while engine.has_work():
         engine.step()
-    return dt
+    return dt, r.result.token_ids[0]
 
 
 def main():
@@ -55,6 +56,9 @@ def main():
     ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis (1: one device)")
     ap.add_argument("--context-from", type=int, default=None,
                     help="with --expert: prefill steps of at least this many tokens split over it (KCP)")
+    ap.add_argument("--expand-from", type=int, default=None,
+                    help="prefill chunks of at least this many tokens attend over expanded keys and values "
+                         "(StepKernels.expand_prefill_from; default: over the latents)")
     a = ap.parse_args()
     mesh = step_mesh(1, a.expert) if a.expert > 1 else None
     cfg = sliced_config(a.config, a.layers)
@@ -63,14 +67,16 @@ def main():
     t0 = time.perf_counter()
     engine = StepEngine(cfg, params=params, max_running=4, max_len=a.prompt + 64, token_budget=a.budget,
                         max_prefill_rows=1, prefix_cache=False, decode_buckets=(4,), prefill_buckets=(a.budget,),
-                        mesh=mesh, context_parallel_from=a.context_from)
+                        mesh=mesh, context_parallel_from=a.context_from, kernels=dataclasses.replace(
+                            default_step_kernels(cfg), expand_prefill_from=a.expand_from))
     engine.warmup()
     startup = time.perf_counter() - t0
-    times = [ttft_s(engine, a.prompt, seed) for seed in range(a.repeats)]
+    times, first = zip(*[ttft_s(engine, a.prompt, seed) for seed in range(a.repeats)])
     ttft = float(np.median(times))
     row = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
            "devices": 1 if mesh is None else mesh.size, "config": a.config, "layers": cfg.num_layers,
-           "prompt": a.prompt, "budget": a.budget, "context_from": a.context_from, "ttft_s": times,
+           "prompt": a.prompt, "budget": a.budget, "context_from": a.context_from,
+           "expand_from": a.expand_from, "first_tokens": first, "ttft_s": times,
            "ttft_median_s": ttft, "prefill_tokens_per_s": a.prompt / ttft, "startup_s": startup,
            "compiles_while_serving": engine.runner.compiles_while_serving}
     print(json.dumps(row), flush=True)

@@ -122,6 +122,12 @@ def decode_tokens(cfg, B: int) -> list[int]:
     return np.random.default_rng(1).integers(3, cfg.vocab_size, B).tolist()
 
 
+def top_kernels(run) -> dict:
+    """Device microseconds per call of ``run()``'s kernels that take the most, and its device total."""
+    per = sorted(kernel_seconds(run, steps=5).items(), key=lambda kv: -kv[1])
+    return {"top_kernels_us": {k[:80]: round(v * 1e6, 1) for k, v in per[:12]}, "device_ms": sum(v for _, v in per) * 1e3}
+
+
 def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float, profile: bool = False) -> dict:
     lay = PoolLayout.for_model(cfg, token_multiple=512)
     blocks = -(-(ctx + 1) // lay.page_tokens)
@@ -141,11 +147,7 @@ def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float, 
     compile_s = time.perf_counter() - t0
     s = timed_steps(run, steps)
     floor = decode_floor_bytes(cfg, params, lay, B, ctx) / bw
-    top = {}
-    if profile:  # device microseconds per step of the kernels that take the most
-        per = sorted(kernel_seconds(run, steps=5).items(), key=lambda kv: -kv[1])
-        top = {"top_kernels_us": {k[:80]: round(v * 1e6, 1) for k, v in per[:12]},
-               "device_ms": sum(v for _, v in per) * 1e3}
+    top = top_kernels(run) if profile else {}
     return {**top, "kind": "decode", "batch": B, "context": ctx, "step_ms": s * 1e3, "tokens_per_s": B / s,
             "floor_ms": floor * 1e3, "fraction_of_floor": floor / s, "page_tokens": lay.page_tokens,
             "pages": num_pages, "pool_GB": num_pages * lay.page_bytes / 1e9, "compile_s": compile_s}
@@ -165,7 +167,7 @@ def active_flops_per_token(cfg, params) -> float:
     return 2 * n
 
 
-def bench_prefill(cfg, params, kernels, T: int) -> dict:
+def bench_prefill(cfg, params, kernels, T: int, profile: bool = False) -> dict:
     lay = PoolLayout.for_model(cfg, token_multiple=512)
     blocks = -(-T // lay.page_tokens)
     pool = lay.allocate(blocks + 1)
@@ -192,7 +194,8 @@ def bench_prefill(cfg, params, kernels, T: int) -> dict:
     attn = len(cfg.mla_layers) * (T * S * cfg.num_heads * 2 * per_pair + expand)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     flops = active_flops_per_token(cfg, params) * T + attn + 2 * head.size  # logits of the last token only
-    return {"kind": "prefill", "tokens": T, "expanded": expanded, "seconds": s, "tokens_per_s": T / s,
+    top = top_kernels(run) if profile else {}
+    return {**top, "kind": "prefill", "tokens": T, "expanded": expanded, "seconds": s, "tokens_per_s": T / s,
             "TFLOP_s": flops / s / 1e12,
             "fraction_of_bf16_peak": flops / s / BF16_PEAK}
 
@@ -266,7 +269,7 @@ def main():
     ap.add_argument("--scan-layers", action="store_true", help="scan the repeating layers (the engine's default)")
     ap.add_argument("--paged-mla", action="store_true", help="decode attention by the Pallas paged MLA kernel")
     ap.add_argument("--paged-kda", action="store_true", help="decode KDA states by the Pallas kernel on pages")
-    ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each decode step")
+    ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each step")
     ap.add_argument("--expanded-prefill", action="store_true",
                     help="prefill attention over keys and values expanded from the latents, not over the latents")
     ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (Kimi K3's checkpoint); "
@@ -308,7 +311,7 @@ def main():
         if a.fused_mxfp4:
             emit({**bench_decode(cfg, params, fused, B, a.context, a.steps, bw, a.profile), "fused_mxfp4": True})
     if a.prefill:
-        emit(bench_prefill(cfg, params, kernels, a.prefill))
+        emit(bench_prefill(cfg, params, kernels, a.prefill, a.profile))
     if a.old_engine:
         del params
         for B in map(int, a.batches.split(",")):

@@ -46,7 +46,10 @@ def test_balanced_routing_zeroes_the_router_bias_and_spreads_wide_routers():
     assert any(getattr(p[-1], "key", None) == "bias" for p, _ in flat)
 
     wide = dataclasses.replace(cfg, num_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1)
-    mlp = init_params(dataclasses.replace(wide, hidden_size=2304), jax.random.key(1))["layers"][-1]["mlp"]
+    # the router at the 48B width; narrow experts and one layer, whose widths routing never reads
+    one = dataclasses.replace(wide, hidden_size=2304, moe_intermediate_size=1, layer_types=("kda",),
+                              mlp_types=("moe",))
+    mlp = init_params(one, jax.random.key(1))["layers"][-1]["mlp"]
     x = jax.random.normal(jax.random.key(2), (64, 2304))
     distinct = lambda p: len(np.unique(np.asarray(route(wide, p, x)[1])))
     uniform = 256 * (1 - (1 - 8 / 256) ** 64)

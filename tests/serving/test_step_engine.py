@@ -19,7 +19,7 @@ from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
 from serving.scheduler import Scheduler
 from serving import step_engine
-from serving.step_engine import StepEngine, _fed_step, draw_rows, sampling_params
+from serving.step_engine import StepEngine, _fed_step, draw_filters, draw_rows, sampling_params
 
 PROMPTS = [[5, 6, 7] * 30, [9] * 17, list(range(40, 100)), [200, 3, 77]]
 MAX_TOKENS = 6
@@ -213,8 +213,7 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     workloads = [[sp(), sp(temperature=0.9, seed=1), sp(temperature=1.2, top_k=5, seed=2),  # no logprobs:
                   sp(temperature=0.7, top_p=0.6, seed=3)],  # the walk
                  [sp(temperature=1.2, top_k=5, seed=2, logprobs=3), sp(logprobs=2)],  # the sort
-                 [sp(temperature=0.9, seed=4, logprobs=0), sp(logprobs=0)],  # logprobs 0: neither
-                 [sp(temperature=1.1, top_k=WALK_TOP_K + 1, top_p=0.8, seed=5)]]  # the sort
+                 [sp(temperature=0.9, seed=4, logprobs=0), sp(logprobs=0)]]  # logprobs 0: neither
 
     def run(e):
         out = []
@@ -233,6 +232,16 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     assert got == run(inline) and got[0][0] == greedy_reference[0]
     assert split.metrics["accepted_drafts"] > 0 and split.runner.compiles_while_serving == 0
     assert draw_rows._cache_size() == traced
+
+
+def test_the_draw_walks_unless_a_row_needs_the_sort():
+    sp = partial(SamplingParams, max_tokens=4)
+    assert draw_filters([sp(), sp(temperature=0.5)]) == "none"
+    assert draw_filters([sp(top_k=WALK_TOP_K + 1, top_p=0.5), sp(temperature=0.5)]) == "none"  # a greedy row's filters
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=WALK_TOP_K)]) == "walk"
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=WALK_TOP_K + 1)]) == "sort"
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(logprobs=1)]) == "sort"
+    assert draw_filters([sp(temperature=0.5, logprobs=0)]) == "none"
 
 
 def test_abort_and_bad_requests(engine):
@@ -486,6 +495,7 @@ def test_drafts_take_only_spare_pages():
     assert s.preemptions == 0 and [len(row.tokens) for row in plan.decode] == [2, 2]  # 14 + 1 + 1 = one page
 
 
+@pytest.mark.slow  # CI time: the data-axis test below serves on a tensor axis, the context-parallel one on an expert axis
 def test_engine_on_a_mesh_gives_the_reference_tokens(greedy_reference):
     """The engine's step over 4 fake devices (tensor 2 x expert 2; the prefix cache on, async
     dispatch): the reference's greedy tokens, then the same prompts again served from the cache."""

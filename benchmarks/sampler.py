@@ -1,8 +1,8 @@
 """The step's sampler alone (:func:`k3jax.model.step.sample`) against the sampler it replaced,
 which sorted each row twice (a sort of the tempered logits for top-k / top-p, and
 ``jax.lax.top_k`` for the top logprobs, which XLA's GPU backend runs as a second full sort for
-k > 16); and, without top logprobs, the sort against the walk (``filters="walk"``, no sort) and
-a draw with no filters. Device time per call from the profiler, Kimi's vocabulary (163,840), rows
+k > 16); and, without top logprobs, the sort against the searched cuts (``filters="top_p"`` and
+``"top_k"``, no sort) and a draw with no filters. Device time per call from the profiler, Kimi's vocabulary (163,840), rows
 of mixed sampling parameters and chat rows (temperature 0.7, top_p 0.9).
 
 Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.sampler --rows 64,256`` (writes
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import device_seconds, time_jax, write_json
-from k3jax.model.step import WALK_TOP_K, StepBatch, filter_logits, sample
+from k3jax.model.step import StepBatch, filter_logits, sample
 
 
 def sample_two_sorts(logits, batch, positions, num_logprobs):
@@ -62,14 +62,13 @@ def main():
         for name, f in (("one_sort", sample), ("two_sorts", sample_two_sorts)):
             step = jax.jit(f, static_argnums=3)
             row[f"{name}_ms"] = device_seconds(lambda: step(logits, batch, pos, a.logprobs)) * 1e3
-        # Without top logprobs: chat rows (temperature 0.7, top_p 0.9) and the mixed rows with
-        # top_k <= WALK_TOP_K, by the sort, the walk, and (the floor) a draw with no filters.
+        # Without top logprobs: chat rows (temperature 0.7, top_p 0.9) and the mixed rows, by the
+        # sort, the searched cuts, and (the floor) a draw with no filters.
         chat = batch._replace(temperature=jnp.full((R,), 0.7), top_k=jnp.zeros((R,), jnp.int32),
                               top_p=jnp.full((R,), 0.9))
-        walkable = batch._replace(top_k=batch.top_k % (WALK_TOP_K + 1))
         step = jax.jit(sample, static_argnums=(3, 4))
-        for name, b in (("chat", chat), ("mixed", walkable)):
-            for filters in ("sort", "walk", "none"):  # device time, and wall time (the walk's loop syncs)
+        for name, b, cuts in (("chat", chat, "top_p"), ("mixed", batch, "top_k")):
+            for filters in ("sort", cuts, "none"):  # device time, and wall time
                 row[f"{name}_{filters}_ms"] = device_seconds(lambda: step(logits, b, pos, 0, filters)) * 1e3
                 row[f"{name}_{filters}_wall_ms"] = time_jax(lambda *x: step(*x, 0, filters), [(logits, b, pos)]) * 1e3
         print(json.dumps(row), flush=True)

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.loader import HFCheckpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import (WALK_TOP_K, Parallel, StepBatch, StepKernels, batch_shapes, flatten_batch,
+from k3jax.model.step import (Parallel, StepBatch, StepKernels, batch_shapes, flatten_batch,
                               import_kernel_libraries, model_step, pack_batch, prepare_layer, prepare_params, sample,
                               stack_layers, unflatten_batch)
 from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
@@ -134,12 +134,14 @@ def draw_rows(logits, positions, params, last, *, filters: str, num_logprobs: in
 
 def draw_filters(sps: list[SamplingParams]) -> str:
     """How a sampler call applies its rows' filters (:func:`k3jax.model.step.sample`): ``"sort"``
-    for top logprobs or a drawing row's ``top_k`` over ``WALK_TOP_K``, ``"walk"`` for other top-k
-    or top-p filters, else ``"none"``."""
+    for top logprobs, else the searched cuts for a drawing row's ``top_k`` (``"top_k"``) or
+    ``top_p`` (``"top_p"``), else ``"none"``."""
     drawn = [sp for sp in sps if sp.temperature > 0]
-    if any((sp.logprobs or 0) > 0 for sp in sps) or any(sp.top_k > WALK_TOP_K for sp in drawn):
+    if any((sp.logprobs or 0) > 0 for sp in sps):
         return "sort"
-    return "walk" if any(sp.top_k > 0 or sp.top_p < 1 for sp in drawn) else "none"
+    if any(sp.top_k > 0 for sp in drawn):
+        return "top_k"
+    return "top_p" if any(sp.top_p < 1 for sp in drawn) else "none"
 
 
 def sampling_params(batch: StepBatch):
@@ -300,7 +302,7 @@ class Runner:
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
             out, batch = self._call(*key)
-            for filters in ("none", "walk", "sort") if self.split_sampling else ():  # once per row count
+            for filters in ("none", "top_p", "top_k", "sort") if self.split_sampling else ():  # once per row count
                 if ("draw", len(batch.temperature), filters) not in self.compiled:
                     self.compiled.add(("draw", len(batch.temperature), filters))
                     out = self._draw(out, batch, filters)

@@ -669,8 +669,7 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     return latent_moe_out(cfg, p, y, linear) + _psum(dense_mlp(cfg, p["shared"], x), par.tensor)
 
 
-WALK_TOP_K = 16  # the largest top_k the walk takes: XLA's GPU top-k kernel stops at 16 (a larger k: a full sort)
-WALK_DRAWS = 32  # a row still walking after this many draws (never seen; NaN logits) sends its batch to the sort
+SELECT_BITS = 4  # key bits a pass of the cut search settles (15 thresholds a pass, 8 passes)
 
 
 def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: str = "sort"):
@@ -687,14 +686,15 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: 
       full sort on the GPU (XLA's top-k kernel stops at k = 16). The top ids are ranked by
       logit, ties by id: where two logits one rounding apart have the same log-probability, the
       larger comes first (``top_k`` over the log-probabilities would put the lower id first).
-    - ``"walk"``: no sort (:func:`walk_draw`); for rows with ``top_k <= WALK_TOP_K`` and no top
-      logprobs (``num_logprobs`` must be 0), which the caller guarantees. The same tokens as
-      ``"sort"``, up to the rounding of the top-p mass.
+    - ``"top_p"`` and ``"top_k"``: no sort; each row's cut is searched (:func:`select_cuts`), with
+      its top-k cut only for ``"top_k"`` (the caller guarantees every ``top_k == 0`` for
+      ``"top_p"``); no top logprobs (``num_logprobs`` must be 0). The same tokens as ``"sort"``,
+      up to the rounding of the top-p mass.
     - ``"none"``: no row filters (every ``top_k == 0`` and ``top_p >= 1``, which the caller
       guarantees) and no top logprobs; the same bits as ``"sort"``."""
     R, V = logits.shape
-    if filters not in ("none", "walk", "sort"):
-        raise ValueError(f"filters must be 'none', 'walk' or 'sort', got {filters!r}")
+    if filters not in ("none", "top_p", "top_k", "sort"):
+        raise ValueError(f"filters must be 'none', 'top_p', 'top_k' or 'sort', got {filters!r}")
     if filters != "sort" and num_logprobs:
         raise ValueError("top logprobs need the sort: filters='sort'")
     greedy = batch.temperature <= 0
@@ -706,55 +706,50 @@ def sample(logits, batch: StepBatch, positions, num_logprobs: int = 0, filters: 
                                   num_keys=1)  # descending; ties by id, as top_k
         x = filter_logits(x, -neg / temp, batch.top_k, batch.top_p)
         top_ids = order[:, :num_logprobs]
+    elif filters != "none":
+        x = select_cuts(x, batch.top_k if filters == "top_k" else None, batch.top_p)
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s.astype(jnp.uint32)), t))(batch.seed, positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), f32))(keys)
-    if filters == "walk":
-        drawn = walk_draw(x, gumbel, batch.top_k, batch.top_p)
-    else:
-        drawn = jnp.argmax(x + gumbel, axis=-1)
+    drawn = jnp.argmax(x + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(i32)
     lp = jax.nn.log_softmax(logits, axis=-1)
     top_lp = jnp.take_along_axis(lp, top_ids, axis=1)
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0], top_ids, top_lp
 
 
-def walk_draw(x, noise, top_k, top_p, max_draws: int = WALK_DRAWS):
-    """``argmax(x + noise)`` over each row's top-k and top-p set of ``x f32[R, V]``, without a sort.
+def select_cuts(x, top_k, top_p):
+    """``x f32[R, V]`` with what each row's top-k (``top_k`` None: no row has one) and top-p
+    filters drop set to -inf, as :func:`filter_logits` but without a sort and without data-
+    dependent control flow (a loop or branch on a GPU waits on the device, stalling the host).
 
-    The top-k cut is the k-th value of ``jax.lax.top_k(x, WALK_TOP_K)`` (rows' ``top_k`` at most
-    ``WALK_TOP_K``). For top-p, a token of value ``v`` is in the set when the mass of the tokens
-    above ``v`` is under ``top_p`` (the sorted filter's exclusive cumulative sum at ``v``'s first
-    place, so ties go together as there). The walk takes the perturbed argmax over the
-    candidates; if it is out of the set, so is every token at or below its value, and it walks
-    on over the tokens above. Its answer is the perturbed argmax over the set, the sort's token;
-    with Gumbel noise each step draws in proportion to the probabilities, so the candidates'
-    mass about halves each draw and a draw lands in the set with probability at least
-    ``top_p``: a few draws, each one pass over the logits (all rows walk until the last is in).
-    Rows still out after ``max_draws`` draws take the sort."""
-    R, V = x.shape
-    rows = jnp.arange(R)
-
-    def cut_top_k(x):
-        vals = jax.lax.top_k(x, min(WALK_TOP_K, V))[0]
-        kth = vals[rows, jnp.clip(top_k - 1, 0, vals.shape[1] - 1)]
-        return jnp.where((top_k[:, None] > 0) & (x < kth[:, None]), -jnp.inf, x)
-
-    x = jax.lax.cond(jnp.any(top_k > 0), cut_top_k, lambda x: x, x)
+    Each cut is the largest value ``c`` with ``weight(x >= c)`` at least the target: the count
+    at least ``top_k`` (the k-th value), then the probability mass over the top-k set at least
+    ``top_p`` (the smallest prefix of the sorted distribution that reaches ``top_p``, ties kept
+    together). It is searched over 32-bit keys in the values' order, :data:`SELECT_BITS` bits a
+    pass: each pass one reduction over the row that weighs 15 thresholds at once."""
+    x = jnp.where(x == 0, 0.0, x)  # -0.0 and 0.0: one key, as they compare equal
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    key = jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))  # unsigned, in the order of x
+    if top_k is not None:
+        kth = _largest_cut(key, jnp.ones(x.shape, i32), jnp.maximum(top_k, 1))
+        x = jnp.where((top_k[:, None] > 0) & (key < kth[:, None]), -jnp.inf, x)
     e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-    bound = top_p * jnp.sum(e, axis=-1)
-    y = x + noise
+    cut = _largest_cut(key, e, top_p * jnp.sum(e, axis=-1))
+    return jnp.where((top_p[:, None] < 1) & (key < cut[:, None]), -jnp.inf, x)
 
-    def draw(state):
-        n, floor, token, done = state
-        j = jnp.argmax(jnp.where(x > floor[:, None], y, -jnp.inf), axis=-1).astype(i32)
-        v = x[rows, j]
-        kept = (jnp.sum(jnp.where(x > v[:, None], e, 0.0), axis=-1) < bound) | (top_p >= 1)
-        return n + 1, jnp.where(done, floor, v), jnp.where(done, token, j), done | kept
 
-    start = (0, jnp.full((R,), -jnp.inf, f32), jnp.zeros((R,), i32), jnp.zeros((R,), bool))
-    _, _, token, done = jax.lax.while_loop(lambda s: (s[0] < max_draws) & ~jnp.all(s[3]), draw, start)
-    return jax.lax.cond(jnp.all(done), lambda: token, lambda: jnp.argmax(
-        filter_logits(x, -jnp.sort(-x, axis=-1), top_k, top_p) + noise, axis=-1).astype(i32))
+def _largest_cut(key, weight, target):
+    """Per row the largest ``c`` (uint32) with ``sum(weight[key >= c]) >= target`` (0 if none)."""
+    n = (1 << SELECT_BITS) - 1
+    cut = jnp.zeros(key.shape[:1], jnp.uint32)
+    zero = jnp.zeros((), weight.dtype)
+    for shift in range(32 - SELECT_BITS, -1, -SELECT_BITS):
+        tries = [cut | jnp.uint32(d << shift) for d in range(1, n + 1)]
+        sums = jax.lax.reduce(tuple(jnp.where(key >= t[:, None], weight, zero) for t in tries), (zero,) * n,
+                              lambda a, b: tuple(u + v for u, v in zip(a, b)), (1,))  # one pass, n sums
+        digit = sum((s >= target).astype(jnp.uint32) for s in sums)  # the sums fall with the digit
+        cut = cut | (digit << shift)
+    return cut
 
 
 def filter_logits(x, srt, top_k, top_p):

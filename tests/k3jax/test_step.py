@@ -16,9 +16,8 @@ import pytest
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint, logits
 from k3jax.model.pool import PoolLayout, read_kda, read_latents, write_kda, write_latents
 from k3jax.model.model import route
-from k3jax.model.step import (WALK_DRAWS, WALK_TOP_K, Row, StepBatch, StepKernels, filter_logits,
-                              implementations_for_widths, jit_step, layer_runs, moe, pack_batch, prepare_params, sample,
-                              stack_layers, walk_draw)
+from k3jax.model.step import (Row, StepBatch, StepKernels, filter_logits, implementations_for_widths, jit_step,
+                              layer_runs, moe, pack_batch, prepare_params, sample, select_cuts, stack_layers)
 from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.mla import paged_mla_decode
 from tests.helpers import rel_rms
@@ -312,31 +311,33 @@ def test_one_sort_samples_as_two_did():
 
 
 @pytest.mark.parametrize("scale,ties", [(0.5, False), (4.0, True), (12.0, False)])
-def test_the_walk_draws_the_tokens_of_the_sort(scale, ties):
-    """``filters="walk"`` (no sort) against ``"sort"`` on fresh random logits, flat to peaked and
-    with ties (rounded to quarters): the same tokens and logprobs over greedy, hot, top-k (up to
-    ``WALK_TOP_K``), top-p and both; the walk cut short after one draw takes the sort for the rows
-    still out, and draws the same."""
+def test_searched_cuts_draw_the_tokens_of_the_sort(scale, ties):
+    """``filters="top_k"`` and ``"top_p"`` (cuts searched, no sort) against ``"sort"`` on fresh
+    random logits, flat to peaked and with ties (rounded to quarters, signed zeros included):
+    the same tokens and logprobs over greedy, hot, top-k (any k), top-p and both; the same
+    filtered logits as :func:`filter_logits`, -inf included."""
     from benchmarks.sampler import mixed_rows
 
     R, V = 48, 2000
     k = jax.random.split(jax.random.key(int(np.random.default_rng().integers(2**31))), 4)
     lg = jax.random.normal(k[0], (R, V)) * scale
     lg = jnp.round(lg * 4) / 4 if ties else lg
+    lg = lg.at[:, :3].set(jnp.asarray([-0.0, 0.0, -jnp.inf]))
     batch = mixed_rows(R, k[1])
-    batch = batch._replace(top_k=batch.top_k % (WALK_TOP_K + 1))
+    batch = batch._replace(top_k=jnp.where(jnp.arange(R) % 5 == 0, V + 7, batch.top_k))  # some k past the vocabulary
     pos = jax.random.randint(k[2], (R,), 0, 1000)
     f = jax.jit(sample, static_argnums=(3, 4))
-    for g, w in zip(f(lg, batch, pos, 0, "walk"), f(lg, batch, pos, 0, "sort")):
+    want = f(lg, batch, pos, 0, "sort")
+    for g, w in zip(f(lg, batch, pos, 0, "top_k"), want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    x, noise = lg / 0.7, jax.random.gumbel(k[3], (R, V))
-    flat = batch._replace(top_p=jnp.full((R,), 0.05))  # one draw leaves most rows out
-    walked = [jax.jit(walk_draw, static_argnums=4)(x, noise, flat.top_k, flat.top_p, n) for n in (1, WALK_DRAWS)]
-    want = jnp.argmax(filter_logits(x, -jnp.sort(-x, axis=-1), flat.top_k, flat.top_p) + noise, axis=-1)
-    for got in walked:
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    no_k = batch._replace(top_k=jnp.zeros((R,), jnp.int32))
+    for g, w in zip(f(lg, no_k, pos, 0, "top_p"), f(lg, no_k, pos, 0, "sort")):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    x = lg / batch.temperature.clip(0.1)[:, None]
+    np.testing.assert_array_equal(np.asarray(jax.jit(select_cuts)(x, batch.top_k, batch.top_p)),
+                                  np.asarray(filter_logits(x, -jnp.sort(-x, axis=-1), batch.top_k, batch.top_p)))
     with pytest.raises(ValueError, match="top logprobs need the sort"):
-        sample(lg, batch, pos, 2, "walk")
+        sample(lg, batch, pos, 2, "top_k")
 
 
 def test_sampled_distribution_matches_softmax():

@@ -12,8 +12,7 @@ import pytest
 
 from k3jax.model import ModelConfig, forward, init_cache, init_params, load_hf_checkpoint
 from k3jax.model.mxfp4 import MXFP4
-from k3jax.model.step import (WALK_TOP_K, Row, StepKernels, batch_shapes, flatten_batch, layer_runs, pack_batch,
-                              prepare_params)
+from k3jax.model.step import Row, StepKernels, batch_shapes, flatten_batch, layer_runs, pack_batch, prepare_params
 from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import CONFIGS, RequestError, SamplingParams
 from serving.page_pool import PagePool
@@ -151,11 +150,11 @@ def test_seeded_sampling_is_reproducible_and_stops(engine):
     assert c.result.finish_reason == "stop" and c.result.token_ids == a.result.token_ids[:2]
 
 
-@pytest.mark.parametrize("filters", ["none", "walk", "sort"])
+@pytest.mark.parametrize("filters", ["none", "top_k", "sort"])
 def test_drawing_after_the_step_equals_sampling_in_it(engine, filters):
     """The engine's step samples greedily and :func:`draw_rows` draws the rest: the same tokens,
     logprobs and stored last tokens, bit for bit, as the sampler inside the step; ``"none"`` (no
-    top-k, top-p or logprobs) and ``"walk"`` (top-k and top-p, no logprobs) sort nothing and draw
+    top-k, top-p or logprobs) and ``"top_k"`` (top-k and top-p, no logprobs) sort nothing and draw
     the same."""
     r = engine.runner
     params = [dict(temperature=0.0), dict(temperature=0.7, seed=3), dict(temperature=1.3, seed=4),
@@ -197,7 +196,7 @@ def test_a_temperature_below_the_greedy_bound_is_greedy(engine, greedy_reference
 
 def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     """The engine's split sampling (a greedy step; the sampler call only when a row draws or asks
-    for logprobs, walking for top-k and top-p, sorting only for top logprobs or a large top-k)
+    for logprobs, searching the top-k and top-p cuts, sorting only for top logprobs)
     gives the tokens and logprobs of the same engine sampling inside every step (the sort), over
     greedy (with drafts), seeded, top-k, top-p and logprobs requests in the same steps; nothing
     compiles while serving."""
@@ -211,7 +210,7 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
 
     sp = partial(SamplingParams, max_tokens=MAX_TOKENS)
     workloads = [[sp(), sp(temperature=0.9, seed=1), sp(temperature=1.2, top_k=5, seed=2),  # no logprobs:
-                  sp(temperature=0.7, top_p=0.6, seed=3)],  # the walk
+                  sp(temperature=0.7, top_p=0.6, seed=3)],  # the searched cuts
                  [sp(temperature=1.2, top_k=5, seed=2, logprobs=3), sp(logprobs=2)],  # the sort
                  [sp(temperature=0.9, seed=4, logprobs=0), sp(logprobs=0)]]  # logprobs 0: neither
 
@@ -228,18 +227,18 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     traced, modes, draw = draw_rows._cache_size(), set(), split.runner._draw
     split.runner._draw = lambda out, batch, filters: modes.add(filters) or draw(out, batch, filters)
     got = run(split)
-    assert modes == {"none", "walk", "sort"}
+    assert modes == {"none", "top_p", "top_k", "sort"}
     assert got == run(inline) and got[0][0] == greedy_reference[0]
     assert split.metrics["accepted_drafts"] > 0 and split.runner.compiles_while_serving == 0
     assert draw_rows._cache_size() == traced
 
 
-def test_the_draw_walks_unless_a_row_needs_the_sort():
+def test_the_draw_sorts_only_for_top_logprobs():
     sp = partial(SamplingParams, max_tokens=4)
     assert draw_filters([sp(), sp(temperature=0.5)]) == "none"
-    assert draw_filters([sp(top_k=WALK_TOP_K + 1, top_p=0.5), sp(temperature=0.5)]) == "none"  # a greedy row's filters
-    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=WALK_TOP_K)]) == "walk"
-    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=WALK_TOP_K + 1)]) == "sort"
+    assert draw_filters([sp(top_k=5, top_p=0.5), sp(temperature=0.5)]) == "none"  # a greedy row's filters
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5)]) == "top_p"
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=500)]) == "top_k"
     assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(logprobs=1)]) == "sort"
     assert draw_filters([sp(temperature=0.5, logprobs=0)]) == "none"
 

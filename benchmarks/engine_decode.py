@@ -32,7 +32,7 @@ from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, decode_tok
 from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch, random_params
 from serving.engine import SamplingParams
 from k3jax.parallel.sharded_step import host_memory_if, step_mesh
-from serving.step_engine import StepEngine
+from serving.step_engine import StepEngine, default_step_kernels
 
 
 PROFILED_STEPS = 20
@@ -128,6 +128,7 @@ def main():
     ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis")
     ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="the requests' (with --temperature)")
+    ap.add_argument("--search-cuts", action="store_true", help="top-k / top-p by searched cuts (StepKernels.search_cuts)")
     ap.add_argument("--inline-sampler", action="store_true",
                     help="also time the bare step with the sampler inside it (its sort on every step)")
     a = ap.parse_args()
@@ -136,7 +137,7 @@ def main():
     cfg = sliced_config(a.config, a.layers)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
             "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor, "expert": a.expert,
-            "temperature": a.temperature, "top_p": a.top_p}
+            "temperature": a.temperature, "top_p": a.top_p, "search_cuts": a.search_cuts}
     bandwidth = copy_bandwidth()
     rows = []
     for B in map(int, a.batches.split(",")):
@@ -147,7 +148,8 @@ def main():
             params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))
         engine = StepEngine(cfg, params=params, max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
                             prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),
-                            num_pages=a.pages_per_row * B + 64, mesh=mesh)
+                            num_pages=a.pages_per_row * B + 64, mesh=mesh,
+                            kernels=dataclasses.replace(default_step_kernels(cfg), search_cuts=a.search_cuts))
         engine.warmup()
         startup = time.perf_counter() - t0
         eng, wait, eng_kernels = engine_decode_ms(engine, B, a.prompt, a.steps, temperature=a.temperature, top_p=a.top_p)

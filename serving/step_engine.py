@@ -132,16 +132,15 @@ def draw_rows(logits, positions, params, last, *, filters: str, num_logprobs: in
     return tokens, lp, top_ids, top_lp, last.at[slots].set(tokens, mode="drop")
 
 
-def draw_filters(sps: list[SamplingParams]) -> str:
+def draw_filters(sps: list[SamplingParams], search: bool) -> str:
     """How a sampler call applies its rows' filters (:func:`k3jax.model.step.sample`): ``"sort"``
-    for top logprobs, else the searched cuts for a drawing row's ``top_k`` (``"top_k"``) or
-    ``top_p`` (``"top_p"``), else ``"none"``."""
+    for top logprobs; for a drawing row's ``top_k`` or ``top_p``, with ``search`` the searched
+    cuts (``"top_k"``, else ``"top_p"``), without it the sort; else ``"none"``."""
     drawn = [sp for sp in sps if sp.temperature > 0]
-    if any((sp.logprobs or 0) > 0 for sp in sps):
+    top_k, top_p = any(sp.top_k > 0 for sp in drawn), any(sp.top_p < 1 for sp in drawn)
+    if any((sp.logprobs or 0) > 0 for sp in sps) or (top_k or top_p) and not search:
         return "sort"
-    if any(sp.top_k > 0 for sp in drawn):
-        return "top_k"
-    return "top_p" if any(sp.top_p < 1 for sp in drawn) else "none"
+    return "top_k" if top_k else "top_p" if top_p else "none"
 
 
 def sampling_params(batch: StepBatch):
@@ -204,6 +203,7 @@ class Runner:
         # Off a mesh a step samples greedily and a second call draws only when a row asks for more
         # (the host knows; a conditional inside the step would make the host wait for its predicate).
         self.split_sampling = plan is None
+        self.draw_modes = ("none", "top_p", "top_k", "sort") if kernels.search_cuts else ("none", "sort")
         if plan is None:
             self._step = partial(_fed_step, cfg, lay, kernels, sample_rows=False)
         else:
@@ -302,7 +302,7 @@ class Runner:
         for i, key in enumerate(keys):
             t0 = time.perf_counter()
             out, batch = self._call(*key)
-            for filters in ("none", "top_p", "top_k", "sort") if self.split_sampling else ():  # once per row count
+            for filters in self.draw_modes if self.split_sampling else ():  # once per row count
                 if ("draw", len(batch.temperature), filters) not in self.compiled:
                     self.compiled.add(("draw", len(batch.temperature), filters))
                     out = self._draw(out, batch, filters)
@@ -339,7 +339,7 @@ class Runner:
         if self.split_sampling:
             sps = [r.sp for p in plans for r in p.requests]
             if logprobs or any(sp.temperature > 0 for sp in sps):
-                out = self._draw(out, batch, draw_filters(sps))
+                out = self._draw(out, batch, draw_filters(sps, self.kernels.search_cuts))
             out = out._replace(logits=None, positions=None)  # not held while the step is in flight
         for x in (out.tokens, out.accepted, out.window) + ((out.logprob, out.top_ids, out.top_logprobs) if logprobs
                                                             else ()):

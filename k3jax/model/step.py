@@ -121,6 +121,9 @@ class StepKernels:
     # prefill buckets of at least this many tokens attend over expanded keys and values (prefill_attention;
     # None: never, until it is measured faster on a GPU)
     expand_prefill_from: int | None = None
+    # a sampler call off the step applies top-k and top-p by searched cuts (sample's filters
+    # "top_k" / "top_p"), not the sort (False: the sort, until the search is measured faster on a GPU)
+    search_cuts: bool = False
 
 
 class Parallel(NamedTuple):

@@ -196,12 +196,13 @@ def test_a_temperature_below_the_greedy_bound_is_greedy(engine, greedy_reference
 
 def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     """The engine's split sampling (a greedy step; the sampler call only when a row draws or asks
-    for logprobs, searching the top-k and top-p cuts, sorting only for top logprobs)
+    for logprobs, with ``search_cuts`` searching the top-k and top-p cuts, sorting only for top logprobs)
     gives the tokens and logprobs of the same engine sampling inside every step (the sort), over
     greedy (with drafts), seeded, top-k, top-p and logprobs requests in the same steps; nothing
     compiles while serving."""
     def engine(split: bool):
-        e = _engine(speculative=2, drafter=_OracleDrafter(PROMPTS, greedy_reference))
+        e = _engine(speculative=2, drafter=_OracleDrafter(PROMPTS, greedy_reference),
+                    kernels=StepKernels(search_cuts=True))
         if not split:  # as on a mesh
             r = e.runner
             r.split_sampling, r._step = False, partial(_fed_step, r.cfg, r.lay, r.kernels, sample_rows=True)
@@ -233,14 +234,16 @@ def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     assert draw_rows._cache_size() == traced
 
 
-def test_the_draw_sorts_only_for_top_logprobs():
+def test_the_draw_sorts_for_top_logprobs_and_filters_unless_it_searches():
     sp = partial(SamplingParams, max_tokens=4)
-    assert draw_filters([sp(), sp(temperature=0.5)]) == "none"
-    assert draw_filters([sp(top_k=5, top_p=0.5), sp(temperature=0.5)]) == "none"  # a greedy row's filters
-    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5)]) == "top_p"
-    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=500)]) == "top_k"
-    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(logprobs=1)]) == "sort"
-    assert draw_filters([sp(temperature=0.5, logprobs=0)]) == "none"
+    for search in (False, True):
+        assert draw_filters([sp(), sp(temperature=0.5)], search) == "none"
+        assert draw_filters([sp(top_k=5, top_p=0.5), sp(temperature=0.5)], search) == "none"  # a greedy row's
+        assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(logprobs=1)], search) == "sort"
+        assert draw_filters([sp(temperature=0.5, logprobs=0)], search) == "none"
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5)], True) == "top_p"
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=500)], True) == "top_k"
+    assert draw_filters([sp(temperature=0.5, top_p=0.9), sp(temperature=0.5, top_k=500)], False) == "sort"
 
 
 def test_abort_and_bad_requests(engine):

@@ -128,7 +128,8 @@ def main():
     ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis")
     ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="the requests' (with --temperature)")
-    ap.add_argument("--search-cuts", action="store_true", help="top-k / top-p by searched cuts (StepKernels.search_cuts)")
+    ap.add_argument("--search-cuts", action="store_true",
+                    help="top-k / top-p by searched cuts (StepKernels.search_cuts)")
     ap.add_argument("--inline-sampler", action="store_true",
                     help="also time the bare step with the sampler inside it (its sort on every step)")
     a = ap.parse_args()
@@ -152,7 +153,8 @@ def main():
                             kernels=dataclasses.replace(default_step_kernels(cfg), search_cuts=a.search_cuts))
         engine.warmup()
         startup = time.perf_counter() - t0
-        eng, wait, eng_kernels = engine_decode_ms(engine, B, a.prompt, a.steps, temperature=a.temperature, top_p=a.top_p)
+        eng, wait, eng_kernels = engine_decode_ms(engine, B, a.prompt, a.steps, temperature=a.temperature,
+                                                  top_p=a.top_p)
         bare, bare_kernels = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps)
         inline = bare_decode_ms(engine, B, a.prompt + a.steps + PROFILED_STEPS, a.steps, sample_rows=True)[0] \
             if a.inline_sampler and mesh is None else None

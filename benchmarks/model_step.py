@@ -125,7 +125,8 @@ def decode_tokens(cfg, B: int) -> list[int]:
 def top_kernels(run) -> dict:
     """Device microseconds per call of ``run()``'s kernels that take the most, and its device total."""
     per = sorted(kernel_seconds(run, steps=5).items(), key=lambda kv: -kv[1])
-    return {"top_kernels_us": {k[:80]: round(v * 1e6, 1) for k, v in per[:12]}, "device_ms": sum(v for _, v in per) * 1e3}
+    return {"top_kernels_us": {k[:80]: round(v * 1e6, 1) for k, v in per[:12]},
+            "device_ms": sum(v for _, v in per) * 1e3}
 
 
 def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float, profile: bool = False) -> dict:

@@ -2,8 +2,9 @@
 which sorted each row twice (a sort of the tempered logits for top-k / top-p, and
 ``jax.lax.top_k`` for the top logprobs, which XLA's GPU backend runs as a second full sort for
 k > 16); and, without top logprobs, the sort against the searched cuts (``filters="top_p"`` and
-``"top_k"``, no sort) and a draw with no filters. Device time per call from the profiler, Kimi's vocabulary (163,840), rows
-of mixed sampling parameters and chat rows (temperature 0.7, top_p 0.9).
+``"top_k"``, no sort) and a draw with no filters. Device time per call from the profiler (and
+wall time), Kimi's vocabulary (163,840), rows of mixed sampling parameters and chat rows
+(temperature 0.7, top_p 0.9).
 
 Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.sampler --rows 64,256`` (writes
 ``$OUT/sampler.json``).

@@ -138,7 +138,7 @@ def draw_filters(sps: list[SamplingParams], search: bool) -> str:
     cuts (``"top_k"``, else ``"top_p"``), without it the sort; else ``"none"``."""
     drawn = [sp for sp in sps if sp.temperature > 0]
     top_k, top_p = any(sp.top_k > 0 for sp in drawn), any(sp.top_p < 1 for sp in drawn)
-    if any((sp.logprobs or 0) > 0 for sp in sps) or (top_k or top_p) and not search:
+    if any((sp.logprobs or 0) > 0 for sp in sps) or ((top_k or top_p) and not search):
         return "sort"
     return "top_k" if top_k else "top_p" if top_p else "none"
 

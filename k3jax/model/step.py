@@ -727,30 +727,52 @@ def select_cuts(x, top_k, top_p):
 
     Each cut is the largest value ``c`` with ``weight(x >= c)`` at least the target: the count
     at least ``top_k`` (the k-th value), then the probability mass over the top-k set at least
-    ``top_p`` (the smallest prefix of the sorted distribution that reaches ``top_p``, ties kept
-    together). It is searched over 32-bit keys in the values' order, :data:`SELECT_BITS` bits a
-    pass: each pass one reduction over the row that weighs 15 thresholds at once."""
-    x = jnp.where(x == 0, 0.0, x)  # -0.0 and 0.0: one key, as they compare equal
+    ``top_p`` of the row's (the smallest prefix of the sorted distribution that reaches
+    ``top_p``, ties kept together). It is searched over 32-bit keys in the values' order,
+    :data:`SELECT_BITS` bits a pass: each pass one reduction over the row that weighs 15
+    thresholds and the row's total at once (so the sums and the target round alike). A row
+    always keeps its largest value."""
+    if x.dtype != f32:
+        raise ValueError(f"select_cuts takes float32 logits, got {x.dtype}")
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = jnp.where(bits == jnp.uint32(1 << 31), jnp.uint32(0), bits)  # -0.0 and 0.0: one key (equal values)
     key = jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))  # unsigned, in the order of x
     if top_k is not None:
-        kth = _largest_cut(key, jnp.ones(x.shape, i32), jnp.maximum(top_k, 1))
+        kth = _largest_cut(key, jnp.ones(x.shape, i32), lambda total: jnp.maximum(top_k, 1))
         x = jnp.where((top_k[:, None] > 0) & (key < kth[:, None]), -jnp.inf, x)
     e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-    cut = _largest_cut(key, e, top_p * jnp.sum(e, axis=-1))
+    cut = jnp.minimum(_largest_cut(key, e, lambda total: top_p * total), jnp.max(key, axis=-1))
     return jnp.where((top_p[:, None] < 1) & (key < cut[:, None]), -jnp.inf, x)
 
 
-def _largest_cut(key, weight, target):
-    """Per row the largest ``c`` (uint32) with ``sum(weight[key >= c]) >= target`` (0 if none)."""
-    n = (1 << SELECT_BITS) - 1
-    cut = jnp.zeros(key.shape[:1], jnp.uint32)
+def _largest_cut(key, weight, target, block: int = 1024):
+    """Per row the largest ``c`` (uint32) with ``sum(weight[key >= c]) >= target(total)``, where
+    ``total`` is the row's weight summed as the thresholds' sums are (0 if none reaches it).
+    Sums run over blocks of ``block``, then over the blocks (every operand in the same order, so
+    a sum never falls below one over fewer weights)."""
+    if 32 % SELECT_BITS:
+        raise ValueError(f"SELECT_BITS must divide 32, got {SELECT_BITS}")
+    R, V = key.shape
+    block = min(block, V)
+    key, weight = (jnp.pad(a, ((0, 0), (0, -V % block))).reshape(R, -1, block) for a in (key, weight))
     zero = jnp.zeros((), weight.dtype)
+    add = lambda a, b: tuple(u + v for u, v in zip(a, b))
+
+    def sums(thresholds):  # one pass: the weight at or above each threshold [R]
+        parts = tuple(jnp.where(key >= t[:, None, None], weight, zero) for t in thresholds)
+        blocks = jax.lax.reduce(parts, (zero,) * len(parts), add, (2,))
+        return jax.lax.reduce(blocks, (zero,) * len(parts), add, (1,))
+
+    n = (1 << SELECT_BITS) - 1
+    cut, goal = jnp.zeros((R,), jnp.uint32), None
     for shift in range(32 - SELECT_BITS, -1, -SELECT_BITS):
         tries = [cut | jnp.uint32(d << shift) for d in range(1, n + 1)]
-        sums = jax.lax.reduce(tuple(jnp.where(key >= t[:, None], weight, zero) for t in tries), (zero,) * n,
-                              lambda a, b: tuple(u + v for u, v in zip(a, b)), (1,))  # one pass, n sums
-        digit = sum((s >= target).astype(jnp.uint32) for s in sums)  # the sums fall with the digit
+        if goal is None:  # the first pass also sums the whole row (threshold 0)
+            total, *got = sums([cut] + tries)
+            goal = target(total)
+        else:
+            got = sums(tries)
+        digit = sum((g >= goal).astype(jnp.uint32) for g in got)  # the sums fall with the digit
         cut = cut | (digit << shift)
     return cut
 
@@ -765,7 +787,7 @@ def filter_logits(x, srt, top_k, top_p):
     p = jax.nn.softmax(srt, axis=-1)
     # Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
     before = jnp.cumsum(p, axis=-1) - p
-    kept = (before < top_p[:, None]) | (top_p[:, None] >= 1)
+    kept = (before < top_p[:, None]) | (top_p[:, None] >= 1) | (jnp.arange(V) == 0)  # the largest value at least
     cut = jnp.min(jnp.where(kept, srt, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(x < cut, -jnp.inf, x)
 

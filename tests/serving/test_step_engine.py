@@ -497,7 +497,7 @@ def test_drafts_take_only_spare_pages():
     assert s.preemptions == 0 and [len(row.tokens) for row in plan.decode] == [2, 2]  # 14 + 1 + 1 = one page
 
 
-@pytest.mark.slow  # CI time: the data-axis test below serves on a tensor axis, the context-parallel one on an expert axis
+@pytest.mark.slow  # CI time: the data-axis test serves on a tensor axis, the context-parallel one on an expert axis
 def test_engine_on_a_mesh_gives_the_reference_tokens(greedy_reference):
     """The engine's step over 4 fake devices (tensor 2 x expert 2; the prefix cache on, async
     dispatch): the reference's greedy tokens, then the same prompts again served from the cache."""

@@ -24,9 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from k3jax.model import ModelConfig, init_params, load_hf_checkpoint
 from k3jax.model.loader import HFCheckpoint
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import (Parallel, StepBatch, StepKernels, batch_shapes, flatten_batch,
-                              import_kernel_libraries, model_step, pack_batch, prepare_layer, prepare_params, sample,
-                              stack_layers, unflatten_batch)
+from k3jax.model.step import (Parallel, StepBatch, StepKernels, batch_shapes, flatten_batch, import_kernel_libraries,
+                              model_step, pack_batch, prepare_layer, prepare_params, sample, stack_layers,
+                              unflatten_batch)
 from k3jax.parallel.multihost import StepChannel, is_lead, min_over_processes
 from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_bytes, host_memory_if, local_config,
                                          local_layout, param_specs, place_streamed, put_global, shard_params,

@@ -101,6 +101,7 @@ def test_packed_experts_take_4_25_bits(loads):
     assert n == 2 * cfg.mlp_types.count("moe") > 0
 
 
+@pytest.mark.slow  # CI time: test_k3 runs the packed prefill on the golden, test_step_on_packed_experts decode
 def test_reference_forward_on_packed_experts(loads):
     """Same logits as the dequantised load (prefill: grouped experts; one token: gathered), and
     the golden ones."""

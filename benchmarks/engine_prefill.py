@@ -58,7 +58,7 @@ def main():
                     help="with --expert: prefill steps of at least this many tokens split over it (KCP)")
     ap.add_argument("--expand-from", type=int, default=None,
                     help="prefill chunks of at least this many tokens attend over expanded keys and values "
-                         "(StepKernels.expand_prefill_from; default: over the latents)")
+                         "(StepKernels.expand_prefill_from; default: over the latents, not the engine's GPU default 1024)")
     a = ap.parse_args()
     mesh = step_mesh(1, a.expert) if a.expert > 1 else None
     cfg = sliced_config(a.config, a.layers)

@@ -382,12 +382,15 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     the CUDA illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed
     in 38a9a4c). The MXFP4 matmul became the default after it measured 2.4x faster than
     gathering the routed experts at batch 1 on the K3 slice (H100, 2026-12-07, docs/benchmarks.md);
-    the gathered path handles one expert per routed slot whatever the routing."""
+    the gathered path handles one expert per routed slot whatever the routing. Prefill chunks of
+    1024 tokens or more attend over expanded keys and values (``expand_prefill_from``) since a
+    131,072-token prompt's first token came 1.41x sooner that way with the same token (H100,
+    2026-12-07, ``benchmarks.engine_prefill --expand-from 1024``)."""
     kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
     if (backend or jax.default_backend()) != "gpu":
         return kernels
     return dataclasses.replace(kernels, mla_decode=paged_mla_decode, kda_decode=kda_decode_pages,
-                               mxfp4_matmul=mxfp4_grouped_matmul)
+                               mxfp4_matmul=mxfp4_grouped_matmul, expand_prefill_from=1024)
 
 
 class StepEngine(EngineBase):

@@ -196,13 +196,12 @@ def test_a_temperature_below_the_greedy_bound_is_greedy(engine, greedy_reference
 
 def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     """The engine's split sampling (a greedy step; the sampler call only when a row draws or asks
-    for logprobs, with ``search_cuts`` searching the top-k and top-p cuts, sorting only for top logprobs)
+    for logprobs, searching the top-k and top-p cuts (``search_cuts``, the default), sorting only for top logprobs)
     gives the tokens and logprobs of the same engine sampling inside every step (the sort), over
     greedy (with drafts), seeded, top-k, top-p and logprobs requests in the same steps; nothing
     compiles while serving."""
     def engine(split: bool):
-        e = _engine(speculative=2, drafter=_OracleDrafter(PROMPTS, greedy_reference),
-                    kernels=StepKernels(search_cuts=True))
+        e = _engine(speculative=2, drafter=_OracleDrafter(PROMPTS, greedy_reference))
         if not split:  # as on a mesh
             r = e.runner
             r.split_sampling, r._step = False, partial(_fed_step, r.cfg, r.lay, r.kernels, sample_rows=True)
@@ -550,16 +549,17 @@ def test_engine_with_context_parallel_prefill_gives_the_reference_tokens(greedy_
 
 
 def test_gpu_default_kernels_decode_on_pages_and_pages_hold_whole_tiles():
-    """On a GPU the engine's default kernels are the Pallas decode kernels on pages and the MXFP4
-    matmul; with the paged MLA kernel every page holds whole kernel tiles (without the prefix
+    """On a GPU the engine's default kernels are the Pallas decode kernels on pages, the MXFP4
+    matmul and the expanded prefill attention from 1024-token chunks; with the paged MLA kernel every page holds whole kernel tiles (without the prefix
     cache the page size is otherwise a multiple of 16: 5840 tokens on the 48B shape failed the
     kernel on an H100)."""
     from pallas_kernels.mla.paged_decode import TILE
     cfg, _ = _model()
     gpu = step_engine.default_step_kernels(cfg, "gpu")
     assert gpu.mla_decode is not None and gpu.kda_decode is not None and gpu.mxfp4_matmul is not None
+    assert gpu.expand_prefill_from == 1024
     cpu = step_engine.default_step_kernels(cfg, "cpu")
-    assert cpu.mla_decode is None and cpu.mxfp4_matmul is None
+    assert cpu.mla_decode is None and cpu.mxfp4_matmul is None and cpu.expand_prefill_from is None
     paged = _engine(kernels=dataclasses.replace(StepKernels(), mla_decode=gpu.mla_decode), num_pages=None)
     plain = _engine(num_pages=None)
     assert paged.runner.lay.page_tokens % TILE == 0 and plain.runner.lay.page_tokens % TILE

@@ -284,7 +284,7 @@ class PrefixCache:
             req.blocks.append(u.pages)
         req.num_tokens = num_tokens
 
-    def on_forward(self, req_id, done: int, *, end_only: bool = False,
+    def on_forward(self, req_id, done: int, *, only: int | None = None,
                    checkpoint: bool = True) -> list[tuple[int, tuple[int, ...]]]:
         """Tokens ``[req.done, done)`` were computed in this step: register the MLA endpoints they
         complete and allocate checkpoints for the hash boundaries crossed.
@@ -292,8 +292,8 @@ class PrefixCache:
         Returns ``[(boundary_tokens, kda_pages)]``: the engine writes the state at each boundary
         into those pages (the prefill kernel emits them without a second pass). The newest
         boundary is always written (intermediate, reclaimed when superseded unless the policy
-        keeps it); with ``end_only`` only a boundary at ``done`` itself (an engine that writes the
-        state after its rows only); with ``checkpoint=False`` none (no page to spare). Raises PoolExhausted if a checkpoint cannot be allocated
+        keeps it); with ``only`` just the boundary at that many tokens, if it is one these tokens
+        cross (an engine that writes one state a row: after it, or inside it); with ``checkpoint=False`` none (no page to spare). Raises PoolExhausted if a checkpoint cannot be allocated
         (nothing changes).
         """
         req = self._reqs[req_id]
@@ -301,8 +301,10 @@ class PrefixCache:
         if not req.done <= done <= req.num_tokens:
             raise ValueError(f"done={done} outside [{req.done}, {req.num_tokens}]")
         first, last = req.done // H + 1, min(done // H, len(req.hashes))
-        new = [b for b in range(first, last + 1) if (self._keeps(req, b) or b == last)
-               and not (end_only and b * H != done) and checkpoint]
+        if only is not None:
+            new = [only // H] if checkpoint and only % H == 0 and first <= only // H <= last else []
+        else:
+            new = [b for b in range(first, last + 1) if (self._keeps(req, b) or b == last) and checkpoint]
         units = []
         try:
             for _ in new:

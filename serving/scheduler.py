@@ -22,7 +22,8 @@ from k3jax.model.step import Row
 from serving.page_pool import KDA, MLA, PagePool, PoolExhausted
 from serving.prefix_cache import PrefixCache, chain_hashes
 
-_ROW_FIELDS = ("tokens", "start", "pages", "slot", "src", "checkpoint", "copy", "temperature", "top_k", "top_p", "seed")
+_ROW_FIELDS = ("tokens", "start", "pages", "slot", "src", "checkpoint", "copy", "temperature", "top_k", "top_p", "seed",
+               "checkpoint_at")
 # Scheduler._row builds its rows as plain tuples of these fields; Row(...) if they ever differ.
 _new_row = tuple.__new__ if Row._fields == _ROW_FIELDS else (lambda cls, fields: cls(*fields))
 
@@ -97,12 +98,16 @@ class Scheduler:
     page), admission looks the prompt up and takes the hit: full MLA pages shared by refcount,
     a partial page copied and the KDA checkpoint read into the request's slot by its first
     row, inside the step. A prefill chunk that crosses a hash boundary ends on the last one it
-    crosses, so the state the step writes after it is that boundary's checkpoint. Registrations
-    of a step become visible when the engine calls :meth:`landed` after the step finished."""
+    crosses, so the state the step writes after it is that boundary's checkpoint; with
+    ``checkpoint_stride`` (the hash block: the step takes a row's checkpoint inside its chunk) a
+    prompt's last chunk, starting on a boundary, runs to the prompt's end instead (one step
+    fewer). Registrations of a step become visible when the engine calls :meth:`landed` after
+    the step finished."""
 
     def __init__(self, pool: PagePool, page_tokens: int, *, token_budget: int, max_decode: int,
                  max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None, ids=None,
-                 speculative: int = 0, drafter=None, spec_backoff: int = 16, draft_context: int = 4096):
+                 speculative: int = 0, drafter=None, spec_backoff: int = 16, draft_context: int = 4096,
+                 checkpoint_stride: int | None = None):
         self.pool, self.P = pool, page_tokens
         self.budget = token_budget
         self.max_decode, self.max_prefill_rows, self.max_chunk = max_decode, max_prefill_rows, max_chunk
@@ -112,6 +117,9 @@ class Scheduler:
         self.H = cache.cfg.hash_tokens if cache else 0
         if cache and cache.cfg.block_tokens != page_tokens:
             raise ValueError(f"the prefix cache's block ({cache.cfg.block_tokens}) must be the page ({page_tokens})")
+        if cache and checkpoint_stride not in (None, self.H):
+            raise ValueError(f"checkpoint_stride {checkpoint_stride} must be the hash block ({self.H})")
+        self.checkpoints_inside = bool(cache) and checkpoint_stride is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
@@ -172,10 +180,10 @@ class Scheduler:
     def _pages_needed(self, r: Request, end: int) -> int:
         return max(0, -(-end // self.P) - len(r.pages))
 
-    def _grow(self, r: Request, end: int, drafts: int = 0) -> int | None:
+    def _grow(self, r: Request, end: int, drafts: int = 0, boundary: int | None = None) -> int | None:
         """Pages for ``r``'s tokens up to ``end`` plus ``drafts`` draft tokens (and with the prefix
-        cache, the checkpoint page of a hash boundary at ``end`` when one can be spared): the
-        checkpoint page, -1 for none, or None if the pages cannot be had."""
+        cache, the checkpoint page of the hash boundary at ``boundary``, default ``end``, when one
+        can be spared): the checkpoint page, -1 for none, or None if the pages cannot be had."""
         if end + drafts <= len(r.pages) * self.P and (self.cache is None or end // self.H == r.done // self.H):
             # Most decode rows: no page to add and no hash boundary reached, so nothing for the
             # cache to register (its next call covers these tokens too).
@@ -193,7 +201,8 @@ class Scheduler:
         self.cache.extend(r.rid, r.hashes, r.cache_tokens)
         r.pages = [b[0] for b in self.cache.request_blocks(r.rid)]
         # The checkpoint is optional: with no page to spare the boundary is simply not cached.
-        writes = self.cache.on_forward(r.rid, end, end_only=True, checkpoint=self.pool.can_allocate(1))
+        writes = self.cache.on_forward(r.rid, end, only=end if boundary is None else boundary,
+                                       checkpoint=self.pool.can_allocate(1))
         return writes[0][1][0] if writes else -1
 
     def take_aborted_waiting(self) -> list[Request]:
@@ -297,7 +306,7 @@ class Scheduler:
             else:
                 src = copy = None
             add_row(new_row(Row, (tokens, done, r.pages, r.slot, src, ck, copy, sp.temperature, sp.top_k, sp.top_p,
-                                  r.seed)))
+                                  r.seed, 0)))
             add_req(r)
         else:
             rest = ()
@@ -313,16 +322,19 @@ class Scheduler:
             if new:
                 self.running.append(r)
             end = r.done + min(r.prefill_end - r.done, budget, self.max_chunk)
+            b = end
             if cache is not None and end // H > r.done // H:
-                end = end // H * H  # end on the last hash boundary crossed: its checkpoint
-                if end == r.prefill_end and end - H > r.done:
-                    end -= H  # a resend of this prompt restores the boundary before its last token
-            if (ck := self._grow(r, end)) is None:
+                b = end // H * H  # the last hash boundary crossed: its checkpoint
+                if b == end == r.prefill_end and b - H > r.done:
+                    b -= H  # a resend of this prompt restores the boundary before its last token
+                if not (self.checkpoints_inside and end == r.prefill_end and r.done % H == 0):
+                    end = b  # the chunk ends on it: the state after the chunk is the checkpoint
+            if (ck := self._grow(r, end, boundary=b)) is None:
                 if new:  # not admitted after all: hold nothing while waiting
                     self.release(r)
                     self._requeue(r)
                 break
-            prefill.append(self._row(r, r.token_slice(r.done, end), ck))
+            prefill.append(self._row(r, r.token_slice(r.done, end), ck, b - r.done if ck >= 0 and b < end else 0))
             preqs.append(r)
             pkeep.append(end == r.prefill_end and not r.out)
             budget -= end - r.done
@@ -388,7 +400,7 @@ class Scheduler:
                 r = self.waiting.popleft()
             yield r
 
-    def _row(self, r: Request, tokens: list[int], checkpoint: int) -> Row:
+    def _row(self, r: Request, tokens: list[int], checkpoint: int, checkpoint_at: int = 0) -> Row:
         sp, restore = r.sp, r.restore
         if restore:
             (src, copy), r.restore = restore, None
@@ -397,7 +409,7 @@ class Scheduler:
         # A tuple built directly, in Row's field order (checked at import): Row(...) goes through
         # its Python-level __new__, and this runs for every row of every step.
         return _new_row(Row, (tokens, r.done, list(r.pages), r.slot, src, checkpoint, copy, sp.temperature, sp.top_k,
-                              sp.top_p, r.seed))
+                              sp.top_p, r.seed, checkpoint_at))
 
     def advance(self, plan: StepPlan):
         """The step was dispatched: every planned row's tokens are (about to be) in the cache and

@@ -469,6 +469,11 @@ class StepEngine(EngineBase):
         if plan is not None:
             plan.check(self.cfg)
         kernels = kernels or default_step_kernels(self.cfg)
+        if not prefix_cache:  # no checkpoints to take
+            kernels = dataclasses.replace(kernels, checkpoint_stride=None)
+        elif kernels.checkpoint_stride not in (None, hash_tokens) or (kernels.checkpoint_stride and context_parallel_from):
+            raise ValueError(f"checkpoint_stride {kernels.checkpoint_stride} must be hash_tokens ({hash_tokens}), "
+                             f"without context_parallel_from")
         # pages of whole hash blocks, and of whole tiles of the paged MLA decode kernel
         multiple = math.lcm(hash_tokens if prefix_cache else 16, PAGED_MLA_TILE if kernels.mla_decode else 1)
         lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype, token_multiple=multiple)
@@ -503,7 +508,8 @@ class StepEngine(EngineBase):
             raise ValueError(f"speculative must be >= 0, got {speculative}")
         self._sched_args = dict(token_budget=token_budget, max_decode=max_running, max_prefill_rows=max_prefill_rows,
                                 max_chunk=max_chunk, speculative=speculative,
-                                drafter=(drafter or NgramDrafter()) if speculative else None, spec_backoff=spec_backoff)
+                                drafter=(drafter or NgramDrafter()) if speculative else None, spec_backoff=spec_backoff,
+                                checkpoint_stride=kernels.checkpoint_stride)
         self.hash_tokens = hash_tokens if prefix_cache else None
         self._ids = itertools.count()  # request ids, unique over the lanes and kept when they are rebuilt
         self.scheds = [self._scheduler() for _ in range(self.runner.lanes)]  # one per data shard

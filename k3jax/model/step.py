@@ -125,6 +125,10 @@ class StepKernels:
     # "top_k" / "top_p"), not the sort (False: the sort). The engine's chat-sampling step was 1.3x
     # faster with the search (H100, 2026-12-07, docs/benchmarks.md)
     search_cuts: bool = True
+    # a prefill row may take its checkpoint inside its chunk (batch.checkpoint_at, a multiple of this
+    # many tokens from its start; the prefill kernel's checkpoint_stride), so the chunk need not
+    # end on the hash boundary (None: the checkpoint is the state after the row)
+    checkpoint_stride: int | None = None
 
 
 class Parallel(NamedTuple):
@@ -168,7 +172,9 @@ class StepBatch(NamedTuple):
     (-1 unused); state_slot ``i32[R]`` the request's KDA state page (-1: padding row, nothing
     written); state_src ``i32[R]`` the page its state is read from (its own slot, a prefix-cache
     checkpoint to resume from, or -1 for zero state); checkpoint ``i32[R]`` a page that also
-    receives the row's final state (-1: none); copy_src / copy_dst ``i32[R]`` a whole page copied
+    receives the row's final state (-1: none), or with ``checkpoint_at i32[R]`` > 0 its state after
+    that many of its tokens (a multiple of ``StepKernels.checkpoint_stride``; None or 0: the final
+    state); copy_src / copy_dst ``i32[R]`` a whole page copied
     before anything runs (a prefix-cache hit's partial MLA page into the request's own; -1: none);
     draft ``i32[R]`` draft tokens of a decode row's speculative window (0: none); temperature ``f32[R]`` (0: greedy), top_k ``i32[R]`` (0: off), top_p ``f32[R]`` (1: off), seed
     ``u32[R]``.
@@ -188,6 +194,7 @@ class StepBatch(NamedTuple):
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
+    checkpoint_at: jax.Array | None = None
 
 
 class StepOutput(NamedTuple):
@@ -374,7 +381,7 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     g = kda_gate(linear(linear(x, p["f_a"]), p["f_b"]).reshape(T, HV, K), p["A_log"].reshape(HV), p["dt_bias"],
                  lower_bound=cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(linear(x, p["b"]))
-    outs, finals, convs, window = [], [], [], None
+    outs, finals, convs, window, checkpoint = [], [], [], None, None
     paged = nd and rows.W == 1 and kernels.kda_decode is not None
     if paged:  # the decode rows step their states on their pages; the prefill rows' are read after
         o_d, pool = _kda_decode_on_pages(cfg, lay, kernels, p["conv"], raw[:nd], g[:nd], beta[:nd], pool, li, batch)
@@ -406,9 +413,14 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
                                 cu_seqlens=cu)
         q, k, v = (a.reshape(1, T - nt, HV, K) for a in jnp.split(y[0], 3, axis=-1))
         args = (l2norm(q), l2norm(k), v, g[None, nt:], beta[None, nt:])
+        stride = kernels.checkpoint_stride
         if rows.context:
             o_p, s_p = chunk_kda_on_shard(*args, cu, state[nd - first:], axis_name=rows.context,
                                           kernel=kernels.chunk_kda)
+        elif stride is not None and T - nt >= stride and batch.checkpoint_at is not None:
+            o_p, s_p, inside = kernels.chunk_kda(*args, initial_state=state[nd - first:], cu_seqlens=cu,
+                                                 checkpoint_stride=stride)
+            checkpoint = _checkpoint_inside(inside, raw[nt:], cu, batch.checkpoint_at[nd:], stride, s_p, c_p)
         else:
             o_p, s_p = kernels.chunk_kda(*args, initial_state=state[nd - first:], cu_seqlens=cu)
         outs.append(o_p[0])
@@ -419,10 +431,27 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         first = nd if window is not None or paged else 0  # the first row in finals
         final, conv = (jnp.concatenate([part.astype(f32) for part in a]) for a in (finals, convs))
         pool = write_kda(lay, pool, batch.state_slot[first:], li, final, conv)
+        if checkpoint is not None:  # the prefill rows' checkpoints from inside their chunks
+            final, conv = (jnp.concatenate([part.astype(f32) for part in [*a[:-1], c]])
+                           for a, c in zip((finals, convs), checkpoint))
         pool = write_kda(lay, pool, batch.checkpoint[first:], li, final, conv)
     gate = linear(x, p["g"]) if "g" in p else linear(linear(x, p["g_a"]), p["g_b"])
     o = rms_norm(o.astype(f32), p["o_norm"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.reshape(T, HV, K))
     return linear(o.reshape(T, HV * K), p["o"]), pool, window
+
+
+def _checkpoint_inside(inside, raw, cu, at, stride: int, final, conv):
+    """Each prefill row's checkpoint: where ``at i32[N] > 0`` its state after ``at`` of its tokens
+    (from the kernel's states every ``stride`` tokens, ``inside [N, n, HV, K, V]``) and the conv
+    state there (the ``W - 1`` raw inputs ``raw [tokens, D]`` before it; ``at >= W - 1``), else its
+    ``final`` and ``conv`` states. ``cu``: the rows' offsets in ``raw``."""
+    W1 = conv.shape[1]
+    j = jnp.clip(at // stride - 1, 0, inside.shape[1] - 1)
+    state = jnp.take_along_axis(inside, j[:, None, None, None, None], axis=1)[:, 0]
+    tok = jnp.clip(cu[:-1, None] + at[:, None] - W1 + jnp.arange(W1), 0, raw.shape[0] - 1)
+    take = at > 0
+    return (jnp.where(take[:, None, None, None], state, final),
+            jnp.where(take[:, None, None], raw[tok].astype(conv.dtype), conv))
 
 
 def _kda_decode_on_pages(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, conv_w, raw, g, beta, pool, li,
@@ -1027,7 +1056,8 @@ class Row(NamedTuple):
     """One row for :func:`pack_batch`: ``tokens`` to run after ``start`` cached tokens, its MLA
     ``pages``, its state ``slot``, where its state comes from (``src``: defaults to ``slot`` when
     ``start > 0``, else -1), an optional ``checkpoint`` page, an optional page ``copy`` ``(src, dst)``
-    done before the step, and sampling parameters."""
+    done before the step, sampling parameters, and for a prefill row whose checkpoint is its state
+    inside the chunk, after how many of its ``tokens`` (``checkpoint_at``; 0: after all)."""
 
     tokens: list
     start: int
@@ -1040,6 +1070,7 @@ class Row(NamedTuple):
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    checkpoint_at: int = 0
 
 
 def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_decode: int, num_tokens: int,
@@ -1068,6 +1099,10 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
     for i in np.flatnonzero((start + n > npg * lay.page_tokens) | (npg > max_blocks))[:1]:
         raise ValueError(f"row {at[i]}: context {start[i] + n[i]} exceeds its block table "
                          f"({npg[i]} pages of {lay.page_tokens} tokens, bucket {max_blocks} pages)")
+    cat = np.array(f.checkpoint_at, np.int64)
+    for i in np.flatnonzero((cat < 0) | (cat > 0) & ((cat >= n) | (ckpt < 0) | (at < num_decode)))[:1]:
+        raise ValueError(f"row {at[i]}: checkpoint_at {cat[i]} is not 0 or inside a prefill row of {n[i]} tokens "
+                         f"with a checkpoint page")
     ids = np.concatenate([slot, ckpt, src, copy.ravel(), pages])
     if np.any((ids < -1) | (ids >= num_pages)) or np.any(slot < 0):
         bad = next(i for i, r in enumerate(rows) if r.slot < 0 or any(
@@ -1091,7 +1126,8 @@ def pack_batch(lay: PoolLayout, decode: list[Row], prefill: list[Row], *, num_de
             ("checkpoint", ckpt, -1, np.int32), ("copy_src", copy[:, 0], -1, np.int32),
             ("copy_dst", copy[:, 1], -1, np.int32), ("draft", np.where(at < num_decode, n - 1, 0), 0, np.int32),
             ("temperature", f.temperature, 0, np.float32), ("top_k", f.top_k, 0, np.int32),
-            ("top_p", f.top_p, 1, np.float32), ("seed", np.array(f.seed, np.uint64), 0, np.uint32)):
+            ("top_p", f.top_p, 1, np.float32), ("seed", np.array(f.seed, np.uint64), 0, np.uint32),
+            ("checkpoint_at", cat, 0, np.int32)):
         out[name] = np.full(R, fill, dtype)
         out[name][at] = vals
     return StepBatch(**(jax.device_put(out) if to_device else out))  # one call for every array

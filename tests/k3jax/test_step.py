@@ -425,6 +425,12 @@ def test_bad_batches_raise():
         pack([], [Row([1] * 30, 0, [0, 1], slot=1), Row([1] * 30, 0, [2, 3], slot=2)])
     with pytest.raises(ValueError, match="decode rows"):
         pack([Row([1], 3, [0], slot=1)] * 5, [])
+    for rows in ([], [Row([1] * 8, 0, [0], slot=1, checkpoint_at=4)]), ([], [Row([1] * 8, 0, [0], slot=1, checkpoint=2,
+                                                                               checkpoint_at=8)]), \
+                ([Row([1], 3, [0], slot=1, checkpoint=2, checkpoint_at=1)], []):
+        with pytest.raises(ValueError, match="checkpoint_at"):  # no checkpoint page, past the row, a decode row
+            pack(*rows)
+    assert pack([], [Row([1] * 8, 0, [0], slot=1, checkpoint=2, checkpoint_at=4)]).checkpoint_at.max() == 4
 
 
 @pytest.mark.parametrize("seven,kernels", [  # the scanned XLA case is slow (CI time): the paged one scans too

@@ -309,6 +309,36 @@ def test_prefix_hit_inside_a_page_resumes_at_the_hash_boundary(engine):
     assert e.sched.pool.num_used == e.sched.pool.num_evictable  # only cache entries remain
 
 
+def test_checkpoints_inside_chunks_save_a_step_and_restore_like_the_uncached_run():
+    """With ``checkpoint_stride`` (the hash block) a prompt's last chunk runs past its last hash
+    boundary and the step takes that boundary's checkpoint inside the chunk: a 150-token prompt
+    (64-token blocks) gets its first token in as many steps as without the cache (a chunk ending
+    at 128 took one more), and the checkpoint restores a resend and a prompt sharing 140 tokens
+    (hits at 128) with the tokens and log-probabilities of the uncached runs."""
+    rng = np.random.default_rng(7)
+    a = rng.integers(0, 256, 150).tolist()
+    b = a[:140] + rng.integers(0, 256, 30).tolist()
+    args = dict(hash_tokens=64, page_tokens=192, max_len=256, num_pages=16, token_budget=256, prefill_buckets=(256,))
+    plain = _engine(**args)
+    inside = _engine(prefix_cache=True, kernels=StepKernels(checkpoint_stride=64), **args)
+    assert inside.sched.checkpoints_inside and not plain.sched.checkpoints_inside
+
+    def run(e, p):
+        r, steps = e.submit(p, SamplingParams(max_tokens=MAX_TOKENS, logprobs=0)), 0
+        while not r.out:
+            e.step()
+            steps += 1
+        while e.has_work():
+            e.step()
+        return steps, r.result.token_ids, np.array([lp for lp, _ in r.result.logprobs]), r.result.num_cached_tokens
+
+    for p, cached in ((a, 0), (a, 128), (b, 128)):
+        want, got = run(plain, p), run(inside, p)
+        assert got[0] == want[0] and got[1] == want[1] and got[3] == cached, (got, want)
+        np.testing.assert_allclose(got[2], want[2], atol=1e-5)
+    inside.sched.cache.check_invariants()
+
+
 def test_prefix_cache_on_off_and_in_one_step_give_the_same_tokens(engine):
     """Requests sharing prefixes, all in one step (nothing is matchable before the step that
     writes it has finished: rule 2), then again one by one (hits), under a small token budget:

@@ -293,8 +293,9 @@ class PrefixCache:
         into those pages (the prefill kernel emits them without a second pass). The newest
         boundary is always written (intermediate, reclaimed when superseded unless the policy
         keeps it); with ``only`` just the boundary at that many tokens, if it is one these tokens
-        cross (an engine that writes one state a row: after it, or inside it); with ``checkpoint=False`` none (no page to spare). Raises PoolExhausted if a checkpoint cannot be allocated
-        (nothing changes).
+        cross (an engine that writes one state a row: after it, or inside it); with
+        ``checkpoint=False`` none (no page to spare). Raises PoolExhausted if a checkpoint cannot
+        be allocated (nothing changes).
         """
         req = self._reqs[req_id]
         H, r = self.cfg.hash_tokens, self.cfg.hashes_per_block

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 
@@ -82,6 +83,41 @@ def kernel_seconds(f, steps=20) -> dict:
         if e.get("ph") == "X" and "GPU" in names.get(e["pid"], ""):
             per_kernel[e["name"]] += e["dur"] * 1e-6 / steps
     return dict(per_kernel)
+
+
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?')
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def hlo_sources(hlo_text: str) -> dict[str, str]:
+    """Where each instruction of a compiled module's HLO text (``compiled.as_text()``) comes
+    from, ``{name: "op at file:line (function)"}``: its op name's last part and its innermost
+    source frame. A profile's XLA kernels are named after their fusion instructions, so this
+    names the model code behind them."""
+    tables = {k: {} for k in _TABLES}
+    table, found = None, {}
+    for line in hlo_text.splitlines():
+        s = line.strip()
+        if s in tables:
+            table = tables[s]
+            continue
+        if table is not None and (m := re.match(r"(\d+) (.*)", s)):
+            table[int(m.group(1))] = m.group(2)
+            continue
+        table = None
+        if m := _INSTRUCTION.match(line):
+            found[m.group(1)] = (m.group(2), m.group(3))
+
+    def frame(i: str | None) -> str:
+        loc = re.search(r"file_location_id=(\d+)", tables["StackFrames"].get(int(i or -1), ""))
+        if not loc:
+            return ""
+        d = dict(re.findall(r"(\w+)=(\d+)", tables["FileLocations"].get(int(loc.group(1)), "")))
+        name = lambda t, k: tables[t].get(int(d.get(k, -1)), "?").strip('"')
+        return f" at {os.path.basename(name('FileNames', 'file_name_id'))}:{d.get('line')} " \
+               f"({name('FunctionNames', 'function_name_id')})"
+
+    return {n: op.rsplit("/", 1)[-1] + frame(sf) for n, (op, sf) in found.items()}
 
 
 def device_seconds(f, steps=20):

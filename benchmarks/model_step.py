@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, kernel_seconds, write_json
+from benchmarks.common import balanced_routing, hlo_sources, kernel_seconds, write_json
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (PREFILL_TILE, Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params,
@@ -122,10 +122,14 @@ def decode_tokens(cfg, B: int) -> list[int]:
     return np.random.default_rng(1).integers(3, cfg.vocab_size, B).tolist()
 
 
-def top_kernels(run) -> dict:
-    """Device microseconds per call of ``run()``'s kernels that take the most, and its device total."""
+def top_kernels(run, lowered) -> dict:
+    """Device microseconds per call of ``run()``'s kernels that take the most, its device total,
+    and the model code behind each XLA kernel (:func:`benchmarks.common.hlo_sources` of
+    ``lowered``, the step as lowered, compiled again for its HLO)."""
     per = sorted(kernel_seconds(run, steps=5).items(), key=lambda kv: -kv[1])
+    sources = hlo_sources(lowered.compile().as_text())
     return {"top_kernels_us": {k[:80]: round(v * 1e6, 1) for k, v in per[:12]},
+            "top_kernel_sources": {k: sources[k] for k, _ in per[:12] if k in sources},
             "device_ms": sum(v for _, v in per) * 1e3}
 
 
@@ -148,7 +152,8 @@ def bench_decode(cfg, params, kernels, B: int, ctx: int, steps: int, bw: float, 
     compile_s = time.perf_counter() - t0
     s = timed_steps(run, steps)
     floor = decode_floor_bytes(cfg, params, lay, B, ctx) / bw
-    top = top_kernels(run) if profile else {}
+    top = top_kernels(run, jit_step.lower(cfg, lay, kernels, B, params, state["pool"], batch,
+                                          sample_rows=False)) if profile else {}
     return {**top, "kind": "decode", "batch": B, "context": ctx, "step_ms": s * 1e3, "tokens_per_s": B / s,
             "floor_ms": floor * 1e3, "fraction_of_floor": floor / s, "page_tokens": lay.page_tokens,
             "pages": num_pages, "pool_GB": num_pages * lay.page_bytes / 1e9, "compile_s": compile_s}
@@ -195,7 +200,7 @@ def bench_prefill(cfg, params, kernels, T: int, profile: bool = False) -> dict:
     attn = len(cfg.mla_layers) * (T * S * cfg.num_heads * 2 * per_pair + expand)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     flops = active_flops_per_token(cfg, params) * T + attn + 2 * head.size  # logits of the last token only
-    top = top_kernels(run) if profile else {}
+    top = top_kernels(run, jit_step.lower(cfg, lay, kernels, 0, params, state["pool"], batch)) if profile else {}
     return {**top, "kind": "prefill", "tokens": T, "expanded": expanded, "seconds": s, "tokens_per_s": T / s,
             "TFLOP_s": flops / s / 1e12,
             "fraction_of_bf16_peak": flops / s / BF16_PEAK}

@@ -54,3 +54,27 @@ def test_balanced_routing_zeroes_the_router_bias_and_spreads_wide_routers():
     distinct = lambda p: len(np.unique(np.asarray(route(wide, p, x)[1])))
     uniform = 256 * (1 - (1 - 8 / 256) ** 64)
     assert distinct(mlp) < 0.5 * uniform < 0.9 * uniform < distinct(balanced_routing(mlp))
+
+
+def _softmax_sum(x, y):
+    import jax.numpy as jnp
+
+    s = x @ y
+    return jnp.exp(s - s.max(-1, keepdims=True)).sum(-1)
+
+
+def test_hlo_sources_name_the_code_behind_each_fusion():
+    """A compiled module's instructions are traced to the op and source line that made them."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import hlo_sources
+
+    x = jnp.ones((64, 64))
+    sources = hlo_sources(jax.jit(_softmax_sum).lower(x, x).compile().as_text())
+    first = inspect.getsourcelines(_softmax_sum)[1]
+    dot, total = f"test_scripts.py:{first + 3} (_softmax_sum)", f"test_scripts.py:{first + 4} (_softmax_sum)"
+    assert any(v == f"dot_general at {dot}" for v in sources.values()), sources
+    assert any(v == f"reduce_sum at {total}" for v in sources.values()), sources

@@ -313,29 +313,33 @@ def test_checkpoints_inside_chunks_save_a_step_and_restore_like_the_uncached_run
     """With ``checkpoint_stride`` (the hash block) a prompt's last chunk runs past its last hash
     boundary and the step takes that boundary's checkpoint inside the chunk: a 150-token prompt
     (64-token blocks) gets its first token in as many steps as without the cache (a chunk ending
-    at 128 took one more), and the checkpoint restores a resend and a prompt sharing 140 tokens
-    (hits at 128) with the tokens and log-probabilities of the uncached runs."""
+    at 128 took one more). Prompts that arrive a step apart (prefill rows beside decode rows, one
+    checkpoint inside a chunk, one after it, none) and then their resends and a prompt sharing
+    140 tokens and one extending a prompt that ends on a boundary (restored at 128, 128 and 64) give the tokens and log-probabilities of the
+    uncached runs."""
     rng = np.random.default_rng(7)
-    a = rng.integers(0, 256, 150).tolist()
-    b = a[:140] + rng.integers(0, 256, 30).tolist()
-    args = dict(hash_tokens=64, page_tokens=192, max_len=256, num_pages=16, token_budget=256, prefill_buckets=(256,))
+    a, c, d = (rng.integers(0, 256, n).tolist() for n in (150, 64, 30))
+    b, e = a[:140] + rng.integers(0, 256, 30).tolist(), c + rng.integers(0, 256, 20).tolist()
+    args = dict(hash_tokens=64, page_tokens=192, max_len=256, num_pages=24, token_budget=256, prefill_buckets=(256,))
     plain = _engine(**args)
     inside = _engine(prefix_cache=True, kernels=StepKernels(checkpoint_stride=64), **args)
     assert inside.sched.checkpoints_inside and not plain.sched.checkpoints_inside
 
-    def run(e, p):
-        r, steps = e.submit(p, SamplingParams(max_tokens=MAX_TOKENS, logprobs=0)), 0
-        while not r.out:
-            e.step()
-            steps += 1
-        while e.has_work():
-            e.step()
-        return steps, r.result.token_ids, np.array([lp for lp, _ in r.result.logprobs]), r.result.num_cached_tokens
+    def run(eng, prompts):  # each submitted a step after the one before; steps until its first token
+        todo, reqs, steps = list(prompts), [], []
+        while todo or eng.has_work():
+            if todo:
+                reqs.append(eng.submit(todo.pop(0), SamplingParams(max_tokens=MAX_TOKENS, logprobs=0)))
+                steps.append(0)
+            steps = [n + (not r.out) for n, r in zip(steps, reqs)]
+            eng.step()
+        return [(n, r.result.token_ids, [lp for lp, _ in r.result.logprobs], r.result.num_cached_tokens)
+                for n, r in zip(steps, reqs)]
 
-    for p, cached in ((a, 0), (a, 128), (b, 128)):
-        want, got = run(plain, p), run(inside, p)
-        assert got[0] == want[0] and got[1] == want[1] and got[3] == cached, (got, want)
-        np.testing.assert_allclose(got[2], want[2], atol=1e-5)
+    for prompts, cached in (([a], [0]), ([c, d, a], [0, 0, 128]), ([b, e], [128, 64])):
+        want, got = run(plain, prompts), run(inside, prompts)
+        assert [g[:2] for g in got] == [w[:2] for w in want] and [g[3] for g in got] == cached, (got, want)
+        np.testing.assert_allclose([g[2] for g in got], [w[2] for w in want], atol=1e-5)
     inside.sched.cache.check_invariants()
 
 

@@ -123,14 +123,14 @@ def main():
 
     def kernels(prefix_cache: bool):
         inside = a.checkpoints_inside and prefix_cache
-        return dataclasses.replace(default_step_kernels(cfg), checkpoint_stride=512 if inside else None)
+        return dataclasses.replace(default_step_kernels(cfg), checkpoint_stride=HASH_BLOCK if inside else None)
 
     def engine(prefix_cache: bool, **kw) -> StepEngine:
         t0 = time.perf_counter()
         params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # an engine consumes its params
         e = StepEngine(cfg, params=params, max_running=a.max_running, max_len=a.max_len, token_budget=a.budget,
-                       max_prefill_rows=8, prefix_cache=prefix_cache, decode_buckets=a.decode_buckets,
-                       prefill_buckets=a.prefill_buckets, kernels=kernels(prefix_cache), **kw)
+                       max_prefill_rows=8, prefix_cache=prefix_cache, hash_tokens=HASH_BLOCK,
+                       decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets, kernels=kernels(prefix_cache), **kw)
         e.warmup()
         rows.append({**base, "kind": "startup", "prefix_cache": prefix_cache, "seconds": time.perf_counter() - t0,
                      "buckets": len(e.runner.bucket_keys()), "decode_buckets": e.runner.decode_buckets,

@@ -469,11 +469,11 @@ class StepEngine(EngineBase):
         if plan is not None:
             plan.check(self.cfg)
         kernels = kernels or default_step_kernels(self.cfg)
-        if not prefix_cache:  # no checkpoints to take
+        if not prefix_cache:  # no checkpoints to take (the scheduler checks the stride against the hash block)
             kernels = dataclasses.replace(kernels, checkpoint_stride=None)
-        elif kernels.checkpoint_stride not in (None, hash_tokens) or (kernels.checkpoint_stride and context_parallel_from):
-            raise ValueError(f"checkpoint_stride {kernels.checkpoint_stride} must be hash_tokens ({hash_tokens}), "
-                             f"without context_parallel_from")
+        elif kernels.checkpoint_stride and context_parallel_from:
+            raise ValueError("checkpoint_stride does not go with context_parallel_from (the context-parallel "
+                             "prefill takes no checkpoints inside its chunks)")
         # pages of whole hash blocks, and of whole tiles of the paged MLA decode kernel
         multiple = math.lcm(hash_tokens if prefix_cache else 16, PAGED_MLA_TILE if kernels.mla_decode else 1)
         lay = PoolLayout.for_model(self.cfg, page_tokens=page_tokens, latent_dtype=dtype, token_multiple=multiple)

@@ -30,6 +30,7 @@ from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
 from k3jax.parallel.sharded_step import host_memory_if, step_mesh
 from serving.engine import SamplingParams
+from pallas_kernels.mla.prefill_flash import attend_tile
 from serving.step_engine import StepEngine, default_step_kernels
 
 
@@ -59,6 +60,8 @@ def main():
     ap.add_argument("--expand-from", type=int, default=None,
                     help="prefill chunks of at least this many tokens attend over expanded keys and values "
                          "(StepKernels.expand_prefill_from; default: over the latents, not the engine's GPU default 1024)")
+    ap.add_argument("--flash", action="store_true",
+                    help="with --expand-from: the expanded attention in the fused kernel (StepKernels.mla_prefill)")
     a = ap.parse_args()
     mesh = step_mesh(1, a.expert) if a.expert > 1 else None
     cfg = sliced_config(a.config, a.layers)
@@ -68,7 +71,8 @@ def main():
     engine = StepEngine(cfg, params=params, max_running=4, max_len=a.prompt + 64, token_budget=a.budget,
                         max_prefill_rows=1, prefix_cache=False, decode_buckets=(4,), prefill_buckets=(a.budget,),
                         mesh=mesh, context_parallel_from=a.context_from, kernels=dataclasses.replace(
-                            default_step_kernels(cfg), expand_prefill_from=a.expand_from))
+                            default_step_kernels(cfg), expand_prefill_from=a.expand_from,
+                            mla_prefill=attend_tile if a.flash else None))
     engine.warmup()
     startup = time.perf_counter() - t0
     times, first = zip(*[ttft_s(engine, a.prompt, seed) for seed in range(a.repeats)])
@@ -76,7 +80,7 @@ def main():
     row = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
            "devices": 1 if mesh is None else mesh.size, "config": a.config, "layers": cfg.num_layers,
            "prompt": a.prompt, "budget": a.budget, "context_from": a.context_from,
-           "expand_from": a.expand_from, "first_tokens": first, "ttft_s": times,
+           "expand_from": a.expand_from, "flash": a.flash, "first_tokens": first, "ttft_s": times,
            "ttft_median_s": ttft, "prefill_tokens_per_s": a.prompt / ttft, "startup_s": startup,
            "compiles_while_serving": engine.runner.compiles_while_serving}
     print(json.dumps(row), flush=True)

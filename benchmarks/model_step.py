@@ -23,6 +23,7 @@ from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
 from k3jax.model.step import (PREFILL_TILE, Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params,
                               stack_layers)
+from pallas_kernels.mla.prefill_flash import attend_tile
 from pallas_kernels.moe import mxfp4_grouped_matmul
 
 BF16_PEAK = 790e12
@@ -276,6 +277,8 @@ def main():
     ap.add_argument("--paged-mla", action="store_true", help="decode attention by the Pallas paged MLA kernel")
     ap.add_argument("--paged-kda", action="store_true", help="decode KDA states by the Pallas kernel on pages")
     ap.add_argument("--profile", action="store_true", help="device time of the top kernels of each step")
+    ap.add_argument("--flash-prefill", action="store_true",
+                    help="also the prefill with expanded keys and values in the fused kernel (StepKernels.mla_prefill)")
     ap.add_argument("--expanded-prefill", action="store_true",
                     help="prefill attention over keys and values expanded from the latents, not over the latents")
     ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (Kimi K3's checkpoint); "
@@ -318,6 +321,9 @@ def main():
             emit({**bench_decode(cfg, params, fused, B, a.context, a.steps, bw, a.profile), "fused_mxfp4": True})
     if a.prefill:
         emit(bench_prefill(cfg, params, kernels, a.prefill, a.profile))
+        if a.flash_prefill:
+            flash = dataclasses.replace(kernels, expand_prefill_from=1024, mla_prefill=attend_tile)
+            emit({**bench_prefill(cfg, params, flash, a.prefill, a.profile), "flash": True})
     if a.old_engine:
         del params
         for B in map(int, a.batches.split(",")):

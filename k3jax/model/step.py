@@ -129,6 +129,9 @@ class StepKernels:
     # many tokens from its start; the prefill kernel's checkpoint_stride), so the chunk need not
     # end on the hash boundary (None: the checkpoint is the state after the row)
     checkpoint_stride: int | None = None
+    # expanded prefill attention (expand_prefill_from) tile by tile in this fused kernel, the
+    # contract of pallas_kernels.mla.prefill_flash.attend_tile (None: scores in XLA)
+    mla_prefill: Callable | None = None
 
 
 class Parallel(NamedTuple):
@@ -498,7 +501,7 @@ def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
 
 
 def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block_table, end, *, scale: float,
-                      tile: int, expand=None):
+                      tile: int, expand=None, flash: Callable | None = None, flash_block: int = 64):
     """Absorbed attention of the queries ``mine bool[T]`` of ``q_lat [T, nh, L]``, ``q_rope [T, nh, R]``
     (those of one row, at positions ``pos i32[T]``) over that row's latents in the pool, read
     ``tile`` tokens at a time from its ``block_table`` up to its context ``end`` (an online
@@ -507,7 +510,10 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
 
     ``expand=(w_uk [nh, n, L], w_uv [nh, v, L])``: ``q_lat`` is the un-absorbed ``q_nope [T, nh, n]``
     and each tile's latents are expanded to keys and values first (``n + R + v`` products a score
-    and value instead of ``2 L + R``: fewer for a long chunk); returns ``f32[T, nh, v]``."""
+    and value instead of ``2 L + R``: fewer for a long chunk); returns ``f32[T, nh, v]``. With
+    ``flash`` (the contract of :func:`pallas_kernels.mla.prefill_flash.attend_tile`) each expanded
+    tile is attended in that fused kernel (:func:`_flash_prefill`) in blocks of ``flash_block``
+    queries and keys (``tile`` a multiple of it)."""
     T, H, _ = q_lat.shape
     L = lay.latent - q_rope.shape[-1]
     offs = jnp.arange(tile, dtype=i32)
@@ -531,12 +537,41 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
     width = L if expand is None else expand[1].shape[1]
+    if expand is not None and flash is not None:
+        return _flash_prefill(lay, pool, li, q_lat, q_rope, jnp.where(mine, pos, -1), block_table, end, expand,
+                              scale=scale, tile=tile, flash=partial(flash, block_q=flash_block, block_k=flash_block),
+                              block=flash_block)
     init = (jnp.full((T, H), -jnp.inf, f32), jnp.zeros((T, H), f32), jnp.zeros((T, H, width), f32))
     _, l, acc = jax.lax.fori_loop(0, (end + tile - 1) // tile, body, init)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
+def _flash_prefill(lay: PoolLayout, pool, li, q_nope, q_rope, pos, block_table, end, expand, *, scale: float,
+                   tile: int, flash: Callable, block: int):
+    """:func:`prefill_attention`'s expanded form with each tile's scores in ``flash`` (the contract
+    of :func:`pallas_kernels.mla.prefill_flash.attend_tile`): the queries padded to its block, each
+    tile's latents expanded here and attended there. ``pos``: -1 for another row's queries."""
+    T, H, _ = q_nope.shape
+    L = lay.latent - q_rope.shape[-1]
+    Tp = -(-T // block) * block
+    pad = lambda x, v=0: jnp.pad(x, ((0, Tp - T),) + ((0, 0),) * (x.ndim - 1), constant_values=v)
+    dtype = lay.latent_dtype
+    qn, qr, pos = pad(q_nope.astype(dtype)), pad(q_rope.astype(dtype)), pad(pos, -1)
+
+    def body(j, state):
+        ctx = read_latent_tile(lay, pool, li, block_table, j * tile, tile, end)  # [tile, L + R]
+        keys, values = (mm("sl,hnl->shn", ctx[:, :L], w).astype(dtype) for w in expand)
+        return flash(qn, qr, pos, keys, ctx[:, L:], values, j * tile, jnp.minimum(end - j * tile, tile), state,
+                     scale=scale)
+
+    Dv = expand[1].shape[1]
+    init = (jnp.full((H, Tp), -jnp.inf, f32), jnp.zeros((H, Tp), f32), jnp.zeros((H, Tp, Dv), f32))
+    _, l, acc = jax.lax.fori_loop(0, (end + tile - 1) // tile, body, init)
+    return jnp.moveaxis(acc / jnp.where(l > 0, l, 1.0)[..., None], 0, 1)[:T]
+
+
 PREFILL_TILE = 512  # context tokens a prefill row's attention reads per iteration
+FLASH_TILE = 2048  # the same with the fused kernel (it keeps no scores in memory; its state is read once a tile)
 
 
 def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li, batch: StepBatch,
@@ -582,11 +617,14 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         long = kernels.expand_prefill_from is not None and T - nt >= kernels.expand_prefill_from
         expand = (p["w_uk"], p["w_uv"]) if long else None
         q_p = q[nt:, :, :nope] if expand else absorb(q[nt:])
+        block = next((b for b in (64, 32, 16) if S % b == 0), None)  # the fused kernel's query and key block
+        flash = kernels.mla_prefill if expand and block else None
+        tile = min(S, FLASH_TILE if flash else PREFILL_TILE)
 
         def one_row(r, mine):  # the context its queries see: up to its last one here
             end = jnp.minimum(ends[r], jnp.max(jnp.where(mine, rows.pos[nt:], -1)) + 1)
             return prefill_attention(lay, pool, li, q_p, q_rope[nt:], mine, rows.pos[nt:], batch.block_tables[r], end,
-                                     scale=scale, tile=min(S, PREFILL_TILE), expand=expand)
+                                     scale=scale, tile=tile, expand=expand, flash=flash, flash_block=block)
 
         # each token's row adds its output; a bucket's unused prefill rows (most steps have fewer
         # than its rows) and, with rows.context, those with no token on this device cost nothing

@@ -20,6 +20,7 @@ from k3jax.model.step import (Row, StepBatch, StepKernels, filter_logits, implem
                               layer_runs, moe, pack_batch, prepare_params, sample, select_cuts, stack_layers)
 from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.mla import paged_mla_decode
+from pallas_kernels.mla.prefill_flash import attend_tile
 from tests.helpers import rel_rms
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "golden")
@@ -108,10 +109,16 @@ def _reference(cfg, params, seqs):
 
 
 EXPANDED = StepKernels(expand_prefill_from=1)  # every prefill chunk attends over expanded keys and values
+FLASH_CALLS = []
+
+
+def _counted_flash(*args, **kw):
+    FLASH_CALLS.append(kw["block_q"])
+    return attend_tile(*args, **kw)
 
 
 @pytest.mark.parametrize("config,scan,kernels", [
-    ("configs/tiny.json", False, EXPANDED),
+    ("configs/tiny.json", False, EXPANDED), ("configs/tiny.json", False, replace(EXPANDED, mla_prefill=_counted_flash)),
     pytest.param("configs/tiny_k3.json", False, StepKernels(), marks=pytest.mark.slow),  # scanned K3 below
     ("seven_layers", True, StepKernels()), ("configs/tiny_k3.json", True, replace(PAGED, expand_prefill_from=1)),
     pytest.param("configs/tiny.json", False, PAGED_TPU, marks=pytest.mark.slow)])
@@ -130,6 +137,8 @@ def test_step_matches_forward_float32(config, scan, kernels):
         assert np.argmax(lg) == np.argmax(ref[seq][pos])
     # A's first page (shared with D) held A's latents after step 1; D never wrote it.
     assert not np.array_equal(page0, np.asarray(runner.pool[0]))
+    if kernels.mla_prefill:  # the fused attention ran, in blocks of 16 (the block table's 48 tokens)
+        assert FLASH_CALLS and set(FLASH_CALLS) == {16}
 
 
 def test_layer_runs_find_the_repeating_period():

@@ -6,7 +6,9 @@ serving. The check to run on the GPU after any change to the serving path.
 
 Run: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_check`` (exit status 1 if a check fails;
 ``--quick``: the float32 StepEngine only; ``--paged mla|kda|both``: add the Pallas decode kernels
-on pages; ``--pages N``: the pool's pages, default 64, 0: the engine's default sizing).
+on pages; ``--pages N``: the pool's pages, default 64, 0: the engine's default sizing;
+``--expand-from 64``: the prefill chunks over expanded keys and values, on a GPU in the fused
+kernel).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--paged", choices=("mla", "kda", "both"))
     ap.add_argument("--pages", type=int, default=64)
+    ap.add_argument("--expand-from", type=int, default=None,
+                    help="prefill chunks of at least this many tokens attend over expanded keys and values "
+                         "(StepKernels.expand_prefill_from; the GPU default 1024 is past these prompts)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for name in ("jax", "absl"):
@@ -53,6 +58,8 @@ def main() -> int:
         kernels = dataclasses.replace(kernels, mla_decode=paged_mla_decode)
     if a.paged in ("kda", "both"):
         kernels = dataclasses.replace(kernels, kda_decode=kda_decode_pages)
+    if a.expand_from:
+        kernels = dataclasses.replace(kernels, expand_prefill_from=a.expand_from)
     variants = ((jnp.float32, {}), (jnp.bfloat16, {}), (jnp.float32, dict(speculative=3)))
     for dt, extra in variants[:1] if a.quick else variants:
         t0 = time.perf_counter()
@@ -64,7 +71,7 @@ def main() -> int:
         again = s.generate(PROMPTS, max_tokens=8)
         same, resend = out == ref, [r.token_ids for r in again] == out
         ok &= same and resend and again[0].num_cached_tokens > 0 and s.runner.compiles_while_serving == 0
-        print(f"StepEngine {dt.__name__} {sorted(extra)} paged {a.paged} pages {a.pages}: start-up {start:.1f}s ({len(s.runner.bucket_keys())} buckets), same as Engine "
+        print(f"StepEngine {dt.__name__} {sorted(extra)} paged {a.paged} pages {a.pages} expand from {kernels.expand_prefill_from} flash {kernels.mla_prefill is not None}: start-up {start:.1f}s ({len(s.runner.bucket_keys())} buckets), same as Engine "
               f"{same}, resend same {resend}, cached {[r.num_cached_tokens for r in again]}, compiles while serving "
               f"{s.runner.compiles_while_serving}", flush=True)
     print("OK" if ok else "FAILED", flush=True)

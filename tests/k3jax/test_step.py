@@ -118,14 +118,15 @@ def _counted_flash(*args, **kw):
 
 
 @pytest.mark.parametrize("config,scan,kernels", [
-    ("configs/tiny.json", False, EXPANDED), ("configs/tiny.json", False, replace(EXPANDED, mla_prefill=_counted_flash)),
+    ("configs/tiny.json", False, replace(EXPANDED, mla_prefill=_counted_flash)),  # the XLA form: the K3 case
     pytest.param("configs/tiny_k3.json", False, StepKernels(), marks=pytest.mark.slow),  # scanned K3 below
     ("seven_layers", True, StepKernels()), ("configs/tiny_k3.json", True, replace(PAGED, expand_prefill_from=1)),
     pytest.param("configs/tiny.json", False, PAGED_TPU, marks=pytest.mark.slow)])
 def test_step_matches_forward_float32(config, scan, kernels):
     """The step's logits equal the reference forward's, unrolled and scanned, with the Pallas
     decode kernels on pages (GPU and TPU versions, interpreted) or the gathered attention and
-    states, and with the prefill chunks over latents (absorbed) or expanded keys and values."""
+    states, and with the prefill chunks over latents (absorbed) or expanded keys and values (in
+    XLA or in the fused kernel, interpreted)."""
     cfg, params = _tiny(**SEVEN_LAYERS) if config == "seven_layers" else _tiny(config)
     seqs = _seqs_with_shared_prefix(cfg)
     ref = _reference(cfg, params, seqs)

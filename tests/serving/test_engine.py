@@ -118,6 +118,7 @@ class OracleDrafter:
         return [t if (i + j) % 3 else (t + 1) % 256 for j, t in enumerate(out)]
 
 
+@pytest.mark.slow  # CI time: the step engine's speculation tests run in CI
 def test_speculative_greedy_equals_plain_greedy(plain):
     """Batched verify + commit over three concurrent requests of different lengths equals plain
     greedy decoding token for token; so does the n-gram drafter on repetitive prompts."""

@@ -10,7 +10,7 @@ H100 those fusions were about 40% of an 8192-token prefill (docs/benchmarks.md, 
 GPU kernel on the Pallas Triton lowering (interpreted on CPU for tests). Grid ``(T / block_q, H)``:
 one program per block of queries and head; it walks the tile's keys ``block_k`` at a time up to
 the last one its queries may see (causal: the work of a chunk's early queries stops early; a block
-of queries with nothing to see, such as another row's, loads only its state).
+of queries with nothing to see, such as another row's, returns at once).
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ def _kernel(bounds_ref, pos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, m_in, l_
         acc = acc * alpha[:, None] + dot(p.astype(dtype), v_ref[keys, h, :])
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(hi, block_k), body, (m_in[...], l_in[...], acc_in[...]))
-    m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+    @pl.when(hi > 0)  # else the state stays as it is (the outputs are the inputs' buffers)
+    def _():
+        m, l, acc = jax.lax.fori_loop(0, pl.cdiv(hi, block_k), body, (m_in[...], l_in[...], acc_in[...]))
+        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
 
 
 def flash_ok(q_nope, q_rope, v) -> bool:

@@ -584,16 +584,19 @@ def test_engine_with_context_parallel_prefill_gives_the_reference_tokens(greedy_
 
 def test_gpu_default_kernels_decode_on_pages_and_pages_hold_whole_tiles():
     """On a GPU the engine's default kernels are the Pallas decode kernels on pages, the MXFP4
-    matmul and the expanded prefill attention from 1024-token chunks; with the paged MLA kernel every page holds whole kernel tiles (without the prefix
+    matmul and the expanded prefill attention from 1024-token chunks in the fused kernel; with the paged MLA kernel every page holds whole kernel tiles (without the prefix
     cache the page size is otherwise a multiple of 16: 5840 tokens on the 48B shape failed the
     kernel on an H100)."""
     from pallas_kernels.mla.paged_decode import TILE
     cfg, _ = _model()
     gpu = step_engine.default_step_kernels(cfg, "gpu")
     assert gpu.mla_decode is not None and gpu.kda_decode is not None and gpu.mxfp4_matmul is not None
-    assert gpu.expand_prefill_from == 1024
+    assert gpu.expand_prefill_from == 1024 and gpu.mla_prefill is not None
     cpu = step_engine.default_step_kernels(cfg, "cpu")
     assert cpu.mla_decode is None and cpu.mxfp4_matmul is None and cpu.expand_prefill_from is None
+    assert cpu.mla_prefill is None
+    odd = dataclasses.replace(cfg, v_head_dim=24)  # not a Triton block: the expanded attention stays in XLA
+    assert step_engine.default_step_kernels(odd, "gpu").mla_prefill is None
     paged = _engine(kernels=dataclasses.replace(StepKernels(), mla_decode=gpu.mla_decode), num_pages=None)
     plain = _engine(num_pages=None)
     assert paged.runner.lay.page_tokens % TILE == 0 and plain.runner.lay.page_tokens % TILE

@@ -514,6 +514,10 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
     ``flash`` (the contract of :func:`pallas_kernels.mla.prefill_flash.attend_tile`) each expanded
     tile is attended in that fused kernel (:func:`_flash_prefill`) in blocks of ``flash_block``
     queries and keys (``tile`` a multiple of it)."""
+    if expand is not None and flash is not None:
+        return _flash_prefill(lay, pool, li, q_lat, q_rope, jnp.where(mine, pos, -1), block_table, end, expand,
+                              scale=scale, tile=tile, flash=partial(flash, block_q=flash_block, block_k=flash_block),
+                              block=flash_block)
     T, H, _ = q_lat.shape
     L = lay.latent - q_rope.shape[-1]
     offs = jnp.arange(tile, dtype=i32)
@@ -537,10 +541,6 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
     width = L if expand is None else expand[1].shape[1]
-    if expand is not None and flash is not None:
-        return _flash_prefill(lay, pool, li, q_lat, q_rope, jnp.where(mine, pos, -1), block_table, end, expand,
-                              scale=scale, tile=tile, flash=partial(flash, block_q=flash_block, block_k=flash_block),
-                              block=flash_block)
     init = (jnp.full((T, H), -jnp.inf, f32), jnp.zeros((T, H), f32), jnp.zeros((T, H, width), f32))
     _, l, acc = jax.lax.fori_loop(0, (end + tile - 1) // tile, body, init)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]

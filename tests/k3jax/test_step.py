@@ -142,6 +142,17 @@ def test_step_matches_forward_float32(config, scan, kernels):
         assert FLASH_CALLS and set(FLASH_CALLS) == {16}
 
 
+def test_stacking_writes_each_layer_into_the_stack_in_place():
+    """stack_layers' writes reuse the stack's buffers (an eager copy per layer would hold two
+    stacks at once: the 48B model would not fit an H200 while stacking)."""
+    from k3jax.model.step import _set_layer_in_place
+    stack = {"w": jnp.zeros((3, 4, 8), jnp.bfloat16)}
+    where = stack["w"].unsafe_buffer_pointer()
+    out = _set_layer_in_place(stack, 1, {"w": jnp.ones((4, 8), jnp.bfloat16)})
+    assert stack["w"].is_deleted() and out["w"].unsafe_buffer_pointer() == where
+    np.testing.assert_array_equal(np.asarray(out["w"], np.float32).sum(axis=(1, 2)), [0, 32, 0])
+
+
 def test_layer_runs_find_the_repeating_period():
     cfg, _ = _tiny(**SEVEN_LAYERS)
     assert layer_runs(cfg) == ((1, 3, 2),)

@@ -4,8 +4,9 @@ heads), fused: scores, mask, online softmax and the weighted values stay in regi
 running softmax state (``m``, ``l``, ``acc``) is read and written once per tile.
 
 Without it the step's pure-JAX tile loop (:func:`k3jax.model.step.prefill_attention`) writes the
-float32 scores of every (query, head, key) to memory and reads them back several times: on an
-H100 those fusions were about 40% of an 8192-token prefill (docs/benchmarks.md, issue 51).
+float32 scores of every (query, head, key) to memory and reads them back several times; with it
+an 8192-token prefill of the 48B slice was 1.56x faster and a 131,072-token prompt's first token
+3.56x sooner (H100, docs/benchmarks.md, issues 51 and 52).
 
 GPU kernel on the Pallas Triton lowering (interpreted on CPU for tests). Grid ``(T / block_q, H)``:
 one program per block of queries and head; it walks the tile's keys ``block_k`` at a time up to
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.gpu_common import check_32bit_offsets, gpu_head_dims_ok, triton_params
+from pallas_kernels.kda.gpu_common import check_32bit_offsets, triton_params
 
 _F32 = jnp.float32
 
@@ -55,11 +56,6 @@ def _kernel(bounds_ref, pos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, m_in, l_
         m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
 
 
-def flash_ok(q_nope, q_rope, v) -> bool:
-    """Whether the GPU kernel takes these head sizes (powers of two of at least 16)."""
-    return gpu_head_dims_ok(q_nope.shape[-1], q_rope.shape[-1], v.shape[-1])
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "num_stages", "interpret"),
                    donate_argnames=("state",))
 def attend_tile(q_nope, q_rope, pos, k_nope, k_rope, v, start, length, state, *, scale: float, block_q: int = 64,
@@ -76,7 +72,8 @@ def attend_tile(q_nope, q_rope, pos, k_nope, k_rope, v, start, length, state, *,
       state: ``(m f32[H, T], l f32[H, T], acc f32[H, T, Dv])``, the running maximum score, sum of
         weights and weighted values (start: ``-inf``, 0, 0); donated and returned updated.
       T must be a multiple of ``block_q`` and S of ``block_k``; every array in one dtype but
-      ``pos`` and the state (bfloat16: 16-bit products, float32 accumulation).
+      ``pos`` and the state (bfloat16: 16-bit products, float32 accumulation). On a GPU the head
+      sizes must be powers of two of at least 16 (:func:`pallas_kernels.kda.gpu_common.gpu_head_dims_ok`).
     Returns:
       the updated ``state``. The attention output is ``acc / l`` (where ``l > 0``).
     """

@@ -29,8 +29,8 @@ from benchmarks.common import balanced_routing, write_json
 from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
 from k3jax.parallel.sharded_step import host_memory_if, step_mesh
-from serving.engine import SamplingParams
 from pallas_kernels.mla.prefill_flash import attend_tile
+from serving.engine import SamplingParams
 from serving.step_engine import StepEngine, default_step_kernels
 
 

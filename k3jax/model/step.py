@@ -501,7 +501,7 @@ def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
 
 
 def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block_table, end, *, scale: float,
-                      tile: int, expand=None, flash: Callable | None = None, flash_block: int = 64):
+                      tile: int, expand=None):
     """Absorbed attention of the queries ``mine bool[T]`` of ``q_lat [T, nh, L]``, ``q_rope [T, nh, R]``
     (those of one row, at positions ``pos i32[T]``) over that row's latents in the pool, read
     ``tile`` tokens at a time from its ``block_table`` up to its context ``end`` (an online
@@ -510,14 +510,8 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
 
     ``expand=(w_uk [nh, n, L], w_uv [nh, v, L])``: ``q_lat`` is the un-absorbed ``q_nope [T, nh, n]``
     and each tile's latents are expanded to keys and values first (``n + R + v`` products a score
-    and value instead of ``2 L + R``: fewer for a long chunk); returns ``f32[T, nh, v]``. With
-    ``flash`` (the contract of :func:`pallas_kernels.mla.prefill_flash.attend_tile`) each expanded
-    tile is attended in that fused kernel (:func:`_flash_prefill`) in blocks of ``flash_block``
-    queries and keys (``tile`` a multiple of it)."""
-    if expand is not None and flash is not None:
-        return _flash_prefill(lay, pool, li, q_lat, q_rope, jnp.where(mine, pos, -1), block_table, end, expand,
-                              scale=scale, tile=tile, flash=partial(flash, block_q=flash_block, block_k=flash_block),
-                              block=flash_block)
+    and value instead of ``2 L + R``: fewer for a long chunk); returns ``f32[T, nh, v]``
+    (:func:`flash_prefill_attention`: the same in a fused kernel)."""
     T, H, _ = q_lat.shape
     L = lay.latent - q_rope.shape[-1]
     offs = jnp.arange(tile, dtype=i32)
@@ -529,7 +523,7 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
             keys, values = ctx[:, :L], ctx[:, :L]
             s = mm("thl,sl->ths", q_lat, keys)
         else:
-            keys, values = (mm("sl,hnl->shn", ctx[:, :L], w).astype(ctx.dtype) for w in expand)
+            keys, values = _expand_tile(ctx[:, :L], expand)
             s = mm("thn,shn->ths", q_lat, keys)
         s = (s + mm("thr,sr->ths", q_rope, ctx[:, L:])) * scale
         vis = mine[:, None] & (j * tile + offs[None, :] <= pos[:, None])  # causal; rows past `end` are zeros
@@ -546,28 +540,31 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def _flash_prefill(lay: PoolLayout, pool, li, q_nope, q_rope, pos, block_table, end, expand, *, scale: float,
-                   tile: int, flash: Callable, block: int):
+def _expand_tile(latents, expand):
+    """A tile's keys and values ``[S, nh, n]``, ``[S, nh, v]`` from its latents ``[S, L]`` through
+    ``expand=(w_uk, w_uv)``, in the latents' dtype."""
+    return tuple(mm("sl,hnl->shn", latents, w).astype(latents.dtype) for w in expand)
+
+
+def flash_prefill_attention(lay: PoolLayout, pool, li, q_nope, q_rope, pos, block_table, end, expand, *,
+                            scale: float, tile: int, flash: Callable, block: int):
     """:func:`prefill_attention`'s expanded form with each tile's scores in ``flash`` (the contract
-    of :func:`pallas_kernels.mla.prefill_flash.attend_tile`): the queries padded to its block, each
-    tile's latents expanded here and attended there. ``pos``: -1 for another row's queries."""
+    of :func:`pallas_kernels.mla.prefill_flash.attend_tile`, in blocks of ``block`` queries and
+    keys): ``q_nope [T, nh, n]``, ``q_rope [T, nh, R]`` in the latents' dtype and ``pos i32[T]``
+    (-1 for another row's queries), T and ``tile`` multiples of ``block``. Returns ``f32[T, nh, v]``."""
     T, H, _ = q_nope.shape
     L = lay.latent - q_rope.shape[-1]
-    Tp = -(-T // block) * block
-    pad = lambda x, v=0: jnp.pad(x, ((0, Tp - T),) + ((0, 0),) * (x.ndim - 1), constant_values=v)
-    dtype = lay.latent_dtype
-    qn, qr, pos = pad(q_nope.astype(dtype)), pad(q_rope.astype(dtype)), pad(pos, -1)
 
     def body(j, state):
         ctx = read_latent_tile(lay, pool, li, block_table, j * tile, tile, end)  # [tile, L + R]
-        keys, values = (mm("sl,hnl->shn", ctx[:, :L], w).astype(dtype) for w in expand)
-        return flash(qn, qr, pos, keys, ctx[:, L:], values, j * tile, jnp.minimum(end - j * tile, tile), state,
-                     scale=scale)
+        keys, values = _expand_tile(ctx[:, :L], expand)
+        return flash(q_nope, q_rope, pos, keys, ctx[:, L:], values, j * tile, jnp.minimum(end - j * tile, tile),
+                     state, scale=scale, block_q=block, block_k=block)
 
     Dv = expand[1].shape[1]
-    init = (jnp.full((H, Tp), -jnp.inf, f32), jnp.zeros((H, Tp), f32), jnp.zeros((H, Tp, Dv), f32))
+    init = (jnp.full((H, T), -jnp.inf, f32), jnp.zeros((H, T), f32), jnp.zeros((H, T, Dv), f32))
     _, l, acc = jax.lax.fori_loop(0, (end + tile - 1) // tile, body, init)
-    return jnp.moveaxis(acc / jnp.where(l > 0, l, 1.0)[..., None], 0, 1)[:T]
+    return jnp.moveaxis(acc / jnp.where(l > 0, l, 1.0)[..., None], 0, 1)
 
 
 PREFILL_TILE = 512  # context tokens a prefill row's attention reads per iteration
@@ -619,12 +616,20 @@ def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
         q_p = q[nt:, :, :nope] if expand else absorb(q[nt:])
         block = next((b for b in (64, 32, 16) if S % b == 0), None)  # the fused kernel's query and key block
         flash = kernels.mla_prefill if expand and block else None
-        tile = min(S, FLASH_TILE if flash else PREFILL_TILE)
+        if flash:  # the queries in the latents' dtype, padded to whole blocks, once for every row
+            Tq = -(-(T - nt) // block) * block
+            pad = lambda a, v=0: jnp.pad(a, ((0, Tq - (T - nt)),) + ((0, 0),) * (a.ndim - 1), constant_values=v)
+            q_flash = pad(q_p.astype(lay.latent_dtype)), pad(q_rope[nt:].astype(lay.latent_dtype))
 
         def one_row(r, mine):  # the context its queries see: up to its last one here
             end = jnp.minimum(ends[r], jnp.max(jnp.where(mine, rows.pos[nt:], -1)) + 1)
+            if flash:
+                o = flash_prefill_attention(lay, pool, li, *q_flash, pad(jnp.where(mine, rows.pos[nt:], -1), -1),
+                                            batch.block_tables[r], end, expand, scale=scale,
+                                            tile=min(S, FLASH_TILE), flash=flash, block=block)
+                return o[: T - nt]
             return prefill_attention(lay, pool, li, q_p, q_rope[nt:], mine, rows.pos[nt:], batch.block_tables[r], end,
-                                     scale=scale, tile=tile, expand=expand, flash=flash, flash_block=block)
+                                     scale=scale, tile=min(S, PREFILL_TILE), expand=expand)
 
         # each token's row adds its output; a bucket's unused prefill rows (most steps have fewer
         # than its rows) and, with rows.context, those with no token on this device cost nothing

@@ -735,7 +735,9 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     y = grouped(glu(cfg, h[:, :I], h[:, I:]), down)
     if par.experts:  # rows past the groups: not this device's (a grouped matmul may leave them unset)
         y = jnp.where((flat[order] < E)[:, None], y, 0.0)
-    y = jnp.zeros(z.shape, f32).at[tok].add(y * w.reshape(-1)[order][:, None])
+    k = cfg.num_experts_per_tok  # back in token order by a gather (no scatter-add), summed in a fixed order
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = jnp.sum(y[back].reshape(-1, k, y.shape[-1]) * w[..., None], axis=1)
     if par.data:  # each shard's tokens back to it, summed over the data axis's experts
         y = jax.lax.psum_scatter(y, par.data, scatter_dimension=0, tiled=True)
     if par.context:  # the decode tokens' sums everywhere, each device's prefill tokens' back to it

@@ -32,7 +32,7 @@ from k3jax.parallel.sharded_step import (MeshPlan, allocate_pool, device_param_b
                                          local_layout, param_specs, place_streamed, put_global, shard_params,
                                          shard_step)
 from pallas_kernels.kda.decode_pages import kda_decode_pages
-from pallas_kernels.kda.gpu_common import MAX_TRITON_ELEMENTS, gpu_head_dims_ok
+from pallas_kernels.kda.gpu_common import gpu_head_dims_ok
 from pallas_kernels.mla.paged_decode import TILE as PAGED_MLA_TILE
 from pallas_kernels.mla.paged_decode import paged_mla_decode
 from pallas_kernels.mla.prefill_flash import attend_tile
@@ -409,9 +409,9 @@ class StepEngine(EngineBase):
         chunks per step; max_chunk: tokens per chunk.
       prefix_cache: share prompt prefixes across requests (SERVING.md); hash_tokens: its hash
         block (the reuse unit; pages are a multiple of it).
-      num_pages: pool pages (None: 30% of the device's free memory on an accelerator, at most
-        ``MAX_POOL_WORDS`` words, else enough for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as
-        a KDA state page allows, a multiple of the hash block).
+      num_pages: pool pages (None: 30% of the device's free memory on an accelerator, else
+        enough for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as
+        large as a KDA state page allows, a multiple of the hash block).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
       mixed_decode_buckets: the decode rows of the compiled steps that also prefill (None: only
         the largest decode bucket). Each is a compilation per prefill bucket, and a step with a
@@ -681,15 +681,10 @@ class StepEngine(EngineBase):
                 "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 
 
-# The Pallas Triton decode kernels index the pool with 32-bit offsets (they refuse a larger one).
-MAX_POOL_WORDS = MAX_TRITON_ELEMENTS
-
-
 def _default_pages(lay: PoolLayout, max_running: int, per_request: int, reserved: int = 0) -> int:
     stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
-        # 30%: a prefill bucket's compiled step held up to two copies of the pool as temporaries
-        # on the GPU (H100, 2026-12-06: pool 3.7 GiB, temporaries 7.3 GiB), plus its activations
-        pages = lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved, fraction=0.3)
-        return min(pages, MAX_POOL_WORDS // lay.page_words)
+        # 30%: the rest for the compiled steps' activations. The Triton kernels index a pool of
+        # more than 2^32 bytes with 64-bit offsets, so its size has no cap of 2^31 words.
+        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved, fraction=0.3)
     return max_running * per_request

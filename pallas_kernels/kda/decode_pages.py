@@ -31,7 +31,7 @@ from pallas_kernels.kda._window import DECODE, delta_rule, readout
 from pallas_kernels.kda.decode import default_interpret, pages_on_tpu
 from pallas_kernels.kda.decode_gpu import default_block_v
 from pallas_kernels.kda.decode_pages_tpu import kda_decode_pages_tpu
-from pallas_kernels.kda.gpu_common import check_32bit_offsets, triton_params
+from pallas_kernels.kda.gpu_common import check_offset_width, triton_params
 
 _F32 = jnp.float32
 
@@ -86,7 +86,7 @@ def kda_decode_pages(states, state_row, src, dst, checkpoint, q, k, v, g, beta, 
     if pages_on_tpu(backend):
         return kda_decode_pages_tpu(states, ids[3], *ids[:3], q, k, v, g, beta, scale=scale,
                                     interpret=default_interpret(interpret))
-    check_32bit_offsets("states", states)
+    check_offset_width("states", states)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     BV = min(block_v or default_block_v(DECODE, B, HV, V), V)

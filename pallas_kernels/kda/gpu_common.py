@@ -40,9 +40,3 @@ def check_offset_width(name: str, x):
         raise ValueError(f"{name} has {x.size} elements in {x.size * x.dtype.itemsize} bytes: the GPU kernel "
                          f"indexes it with 32-bit offsets (at most {MAX_TRITON_ELEMENTS} elements)")
 
-
-def check_32bit_offsets(name: str, x):
-    """Raise unless ``x`` (an operand a Triton kernel indexes) has fewer than 2^31 elements."""
-    if x.size > MAX_TRITON_ELEMENTS:
-        raise ValueError(f"{name} has {x.size} elements: the GPU kernel indexes it with 32-bit offsets "
-                         f"(at most {MAX_TRITON_ELEMENTS}); use a smaller page pool")

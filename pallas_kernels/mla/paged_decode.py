@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.decode import default_interpret, pages_on_tpu
-from pallas_kernels.kda.gpu_common import check_32bit_offsets
+from pallas_kernels.kda.gpu_common import check_offset_width
 from pallas_kernels.mla._words import check_latents, unpack
 from pallas_kernels.mla.paged_decode_tpu import paged_mla_decode_tpu
 
@@ -108,7 +108,7 @@ def paged_mla_decode(q_lat, q_rope, latents, block_tables, lengths, layer, *, pa
     Q, H, L = q_lat.shape
     dtype = jnp.dtype(q_lat.dtype)
     parts = check_latents(q_lat, q_rope, latents)
-    check_32bit_offsets("latents", latents)
+    check_offset_width("latents", latents)
     if page_tokens % tile:
         raise ValueError(f"page_tokens {page_tokens} must be a multiple of tile {tile}")
     context = block_tables.shape[1] * page_tokens

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.gpu_common import check_32bit_offsets, triton_params
+from pallas_kernels.kda.gpu_common import check_offset_width, triton_params
 
 _F32 = jnp.float32
 
@@ -84,7 +84,7 @@ def attend_tile(q_nope, q_rope, pos, k_nope, k_rope, v, start, length, state, *,
     if T % block_q or S % block_k:
         raise ValueError(f"{T} queries and {S} keys must be multiples of block_q {block_q} and block_k {block_k}")
     for name, x in (("k_nope", k_nope), ("v", v)):
-        check_32bit_offsets(name, x)
+        check_offset_width(name, x)
     dtype = jnp.dtype(q_nope.dtype)
     q_rows = lambda w: pl.BlockSpec((block_q, None, w), lambda i, h: (i, h, 0))
     rows = pl.BlockSpec((None, block_q), lambda i, h: (h, i))

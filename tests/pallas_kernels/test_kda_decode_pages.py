@@ -63,14 +63,13 @@ def test_decode_pages_matches_reference(run, B, H, HV, K, V, rows, state_row, dt
 
 
 @pytest.mark.gpu
-def test_decode_pages_compiled_at_the_end_of_a_pool_of_2_31_words():
-    """Compiled on the GPU: rows reading and writing the last pages of a pool at the step engine's
-    word cap, beside padding rows (-1 everywhere), give the same outputs and page contents as on a
-    small pool holding the same pages."""
-    from serving.step_engine import MAX_POOL_WORDS
-
+def test_decode_pages_compiled_at_the_end_of_a_pool_past_2_31_words():
+    """Compiled on the GPU: rows reading and writing the last pages of a pool of 3 x 2^30 words
+    (12 GiB: past 32-bit element offsets, so the kernel must index it with 64-bit ones), beside
+    padding rows (-1 everywhere), give the same outputs and page contents as on a small pool
+    holding the same pages."""
     B, H, HV, K, V, rows, small_n = 6, 2, 4, 16, 64, 40, 4
-    N = MAX_POOL_WORDS // (HV * rows * V)
+    N = 3 * 2**30 // (HV * rows * V)
     q, k, v, g, beta = (x[:, 0] for x in kda_inputs(B, B, 1, H, HV, K, V))
     small = jax.lax.bitcast_convert_type(random_state(3, (small_n, HV, rows, V)), jnp.uint32)
     src, dst, ckpt = (np.array(x + [-1] * (B - 3), np.int32) for x in ([0, 2, -1], [0, 1, 3], [-1, 3, -1]))

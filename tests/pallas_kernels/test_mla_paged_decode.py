@@ -74,15 +74,13 @@ def test_paged_attention_matches_the_gathered_one(dtype, splits, backend, H):
 
 
 @COMPILED
-def test_paged_attention_compiled_at_the_end_of_a_pool_of_2_31_words():
-    """Compiled on the GPU: pages at the far end of a pool at the step engine's word cap (32-bit
-    offsets there must not wrap), block tables padded with -1 and rows of length 0 (a bucket's
-    padding rows) beside live ones, the same output as on a small pool holding the same pages."""
-    from serving.step_engine import MAX_POOL_WORDS
-
+def test_paged_attention_compiled_at_the_end_of_a_pool_past_2_31_words():
+    """Compiled on the GPU: pages at the far end of a pool of 3 x 2^30 words (12 GiB: past 32-bit
+    element offsets, which must not wrap), block tables padded with -1 and rows of length 0 (a
+    bucket's padding rows) beside live ones, the same output as on a small pool holding the same pages."""
     dtype = jnp.bfloat16
     lay, small, bt, lengths, q_lat, q_rope = _case(dtype, seed=7)
-    N = MAX_POOL_WORDS // lay.page_words
+    N = 3 * 2**30 // lay.page_words
     big = jnp.zeros((N, lay.page_words), jnp.uint32).at[N - small.shape[0]:].set(small)
     moved = jnp.where(bt >= 0, bt + N - small.shape[0], -1)
     pad = jnp.full((4, bt.shape[1]), -1, jnp.int32)  # padding rows: no pages, length 0
@@ -96,22 +94,22 @@ def test_paged_attention_compiled_at_the_end_of_a_pool_of_2_31_words():
         assert not np.any(np.asarray(got[-4:]))
 
 
-def test_pools_past_32_bit_offsets_are_refused_by_both_gpu_decode_kernels():
-    """A pool of 2^31 words or more: a clear error before any GPU kernel runs (Triton's offsets
-    are 32-bit), from the paged MLA kernel and the KDA decode kernel on pages alike."""
-    from pallas_kernels.kda.decode_pages import kda_decode_pages
+def test_offsets_past_32_bits_are_refused_only_where_triton_keeps_them_32_bit():
+    """Pallas Triton indexes an array of more than 2^32 bytes with 64-bit offsets: a pool of 3 x
+    2^31 words is accepted; only one-byte arrays of 2^31 to 2^32 elements are refused."""
+    from pallas_kernels.kda.gpu_common import check_offset_width
 
     spec = jax.ShapeDtypeStruct
-    q, qr = spec((4, 2, 32), jnp.bfloat16), spec((4, 2, 16), jnp.bfloat16)
-    latents = spec((2**20, 128, 24), jnp.uint32)  # 3 x 2^31 words
+    check_offset_width("pool", spec((3 * 2**31,), jnp.uint32))
+    check_offset_width("pool", spec((2**31 - 1,), jnp.uint8))
+    check_offset_width("pool", spec((2**32 + 1,), jnp.uint8))
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        check_offset_width("packed", spec((2**31,), jnp.uint8))
     f = partial(paged_mla_decode, page_tokens=64, scale=0.1, backend="gpu")
-    ids = spec((4,), jnp.int32)
-    with pytest.raises(ValueError, match="32-bit offsets"):
-        jax.eval_shape(f, q, qr, latents, spec((4, 2), jnp.int32), ids, spec((), jnp.int32))
-    k = spec((4, 2, 16), jnp.float32)
-    with pytest.raises(ValueError, match="32-bit offsets"):
-        jax.eval_shape(partial(kda_decode_pages, backend="gpu"), spec((2**22, 2, 32, 16), jnp.uint32), 0, ids, ids,
-                       ids, k, k, spec((4, 2, 16), jnp.float32), k, spec((4, 2), jnp.float32))
+    q, qr, ids = spec((4, 2, 32), jnp.bfloat16), spec((4, 2, 16), jnp.bfloat16), spec((4,), jnp.int32)
+    out = jax.eval_shape(f, q, qr, spec((2**20, 128, 24), jnp.uint32), spec((4, 2), jnp.int32), ids,
+                         spec((), jnp.int32))  # 3 x 2^31 words
+    assert out.shape == (4, 2, 32)
 
 
 def test_head_blocks_are_powers_of_two():

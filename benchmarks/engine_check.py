@@ -71,7 +71,7 @@ def main() -> int:
         again = s.generate(PROMPTS, max_tokens=8)
         same, resend = out == ref, [r.token_ids for r in again] == out
         ok &= same and resend and again[0].num_cached_tokens > 0 and s.runner.compiles_while_serving == 0
-        print(f"StepEngine {dt.__name__} {sorted(extra)} paged {a.paged} pages {a.pages} expand from {kernels.expand_prefill_from} flash {kernels.mla_prefill is not None}: start-up {start:.1f}s ({len(s.runner.bucket_keys())} buckets), same as Engine "
+        print(f"StepEngine {dt.__name__} {sorted(extra)} paged {a.paged} pages {a.pages} ({s.runner.pool.size / 2**31:.2f} x 2^31 words) expand from {kernels.expand_prefill_from} flash {kernels.mla_prefill is not None}: start-up {start:.1f}s ({len(s.runner.bucket_keys())} buckets), same as Engine "
               f"{same}, resend same {resend}, cached {[r.num_cached_tokens for r in again]}, compiles while serving "
               f"{s.runner.compiles_while_serving}", flush=True)
     print("OK" if ok else "FAILED", flush=True)

@@ -15,7 +15,6 @@ Run on the GPU: ``PYTHONPATH=$PWD python3 -m benchmarks.engine_load --parts pois
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import logging
@@ -30,7 +29,7 @@ from benchmarks.model_step import sliced_config
 from k3jax.model.step import random_params
 from serving.engine import SamplingParams
 from serving.server import positive_ints
-from serving.step_engine import StepEngine, default_step_kernels
+from serving.step_engine import StepEngine
 
 HASH_BLOCK = 512
 
@@ -111,26 +110,24 @@ def main():
     ap.add_argument("--trace", default="../shared/data/mooncake/synthetic_trace.jsonl")
     ap.add_argument("--trace-requests", type=int, default=200)
     ap.add_argument("--trace-speed", type=float, default=1.0)
-    ap.add_argument("--checkpoints-inside", action="store_true",
-                    help="with the prefix cache, checkpoints taken inside prefill chunks (StepKernels.checkpoint_stride)")
+    ap.add_argument("--checkpoints-after", action="store_true",
+                    help="with the prefix cache, prefill chunks stop at hash boundaries for their checkpoints "
+                         "(not StepEngine's default checkpoints_inside)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # start-up progress
     cfg = sliced_config(a.config, a.layers)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
             "layers": cfg.num_layers, "max_running": a.max_running, "budget": a.budget, "max_len": a.max_len,
-            "checkpoints_inside": a.checkpoints_inside}
+            "checkpoints_inside": not a.checkpoints_after}
     rows = []
-
-    def kernels(prefix_cache: bool):
-        inside = a.checkpoints_inside and prefix_cache
-        return dataclasses.replace(default_step_kernels(cfg), checkpoint_stride=HASH_BLOCK if inside else None)
 
     def engine(prefix_cache: bool, **kw) -> StepEngine:
         t0 = time.perf_counter()
         params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # an engine consumes its params
         e = StepEngine(cfg, params=params, max_running=a.max_running, max_len=a.max_len, token_budget=a.budget,
                        max_prefill_rows=8, prefix_cache=prefix_cache, hash_tokens=HASH_BLOCK,
-                       decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets, kernels=kernels(prefix_cache), **kw)
+                       decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,
+                       checkpoints_inside=not a.checkpoints_after, **kw)
         e.warmup()
         rows.append({**base, "kind": "startup", "prefix_cache": prefix_cache, "seconds": time.perf_counter() - t0,
                      "buckets": len(e.runner.bucket_keys()), "decode_buckets": e.runner.decode_buckets,

@@ -93,7 +93,7 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
     """Where each instruction of a compiled module's HLO text (``compiled.as_text()``) comes
     from, ``{name: "op at file:line (function)"}``: its op name's last part and its innermost
     source frame. A profile's XLA kernels are named after their fusion instructions, so this
-    names the model code behind them."""
+    names the model code behind them (its keys spell HLO's ``.N`` suffixes ``_N``, as kernel names do)."""
     tables = {k: {} for k in _TABLES}
     table, found = None, {}
     for line in hlo_text.splitlines():
@@ -117,7 +117,8 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
         return f" at {os.path.basename(name('FileNames', 'file_name_id'))}:{d.get('line')} " \
                f"({name('FunctionNames', 'function_name_id')})"
 
-    return {n: op.rsplit("/", 1)[-1] + frame(sf) for n, (op, sf) in found.items()}
+    # named as a GPU profile names the kernels: HLO's "input_reduce_fusion.1" is "input_reduce_fusion_1" there
+    return {n.replace(".", "_"): op.rsplit("/", 1)[-1] + frame(sf) for n, (op, sf) in found.items()}
 
 
 def device_seconds(f, steps=20):

@@ -78,3 +78,4 @@ def test_hlo_sources_name_the_code_behind_each_fusion():
     dot, total = f"test_scripts.py:{first + 3} (_softmax_sum)", f"test_scripts.py:{first + 4} (_softmax_sum)"
     assert any(v == f"dot_general at {dot}" for v in sources.values()), sources
     assert any(v == f"reduce_sum at {total}" for v in sources.values()), sources
+    assert not any("." in name for name in sources)  # "fusion.2" is kernel "fusion_2" in a GPU profile

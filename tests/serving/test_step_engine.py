@@ -543,6 +543,7 @@ def test_engine_on_a_mesh_gives_the_reference_tokens(greedy_reference):
     assert len(e.runner.pool.sharding.device_set) == 4 and e.runner.pool.shape[0] == 2
 
 
+@pytest.mark.slow  # CI time (25 s): the server's --data-parallel 2 test and the multi-host test serve on lanes too
 def test_engine_with_a_data_axis_gives_the_reference_tokens(greedy_reference):
     """Data 2 x tensor 2: the prompts spread over two lanes (each its own batch, pages and
     scheduler, one step for both), the experts over all four devices; the reference's greedy

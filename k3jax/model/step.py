@@ -980,27 +980,14 @@ class StepTrunk(NamedTuple):
         return self._mix(params["out_res_proj"], params["out_res_norm"], cfg.rms_norm_eps)
 
 
-def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
-               batch: StepBatch, *, window: int = 1, num_logprobs: int = 0, return_logits: bool = False,
-               sample_rows: bool = True, par: Parallel = Parallel()):
-    """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``. With
-    params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``. ``window``:
-    tokens per decode row (1 + its most drafts; see :class:`StepBatch` and :class:`StepOutput`).
-    ``par``: one device's part of a sharded step (see :class:`Parallel`). ``sample_rows=False``:
-    greedy tokens only, and the logits for a :func:`sample` call that the caller makes when a row
-    draws or asks for logprobs (the sort and the Gumbel draw then cost nothing on greedy steps)."""
-    if par.context and par.data:
-        raise ValueError("context parallelism over a mesh with a data axis is not supported")
-    rows = every = _rows(batch, num_decode, window)
-    tokens = batch.tokens
-    if par.context:
-        rows, idx = _context_shard(rows, tokens.shape[0], par.context)
-        tokens = tokens[idx]
-    pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
+def _run_layers(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, params, trunk, pool, batch: StepBatch,
+                rows: _Rows, par: Parallel):
+    """:func:`model_step`'s layers on ``trunk``, the runs of repeating layers (params from
+    :func:`stack_layers`) as a ``lax.scan``. Returns the trunk, the pool and the KDA layers'
+    decode windows ``[(KDA layer indices, windows stacked over them)]``."""
     dt = params["embed"].dtype
-    trunk = StepTrunk.start(cfg, params["embed"][tokens].astype(f32))
     index = [sum(t == kind for t in cfg.layer_types[:i]) for i, kind in enumerate(cfg.layer_types)]
-    windows = []  # (KDA layer indices, their decode windows stacked over them)
+    windows = []
 
     def layer(i, lp, trunk, pool, n=0, per=(0, 0), P=0):
         """Layer ``i + n * P`` (the ``n``-th period of a run of ``P`` layers with ``per`` KDA and MLA
@@ -1047,6 +1034,28 @@ def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_deco
         (trunk, pool), wins = jax.lax.scan(period, (trunk, pool), (jnp.arange(c, dtype=i32), group))
         windows += wins
         i += P * c
+    return trunk, pool, windows
+
+
+def model_step(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, num_decode: int, params, pool,
+               batch: StepBatch, *, window: int = 1, num_logprobs: int = 0, return_logits: bool = False,
+               sample_rows: bool = True, par: Parallel = Parallel()):
+    """One serving step (un-jitted; see :func:`jit_step`). Returns ``(StepOutput, pool)``. With
+    params from :func:`stack_layers` the runs of repeating layers are a ``lax.scan``. ``window``:
+    tokens per decode row (1 + its most drafts; see :class:`StepBatch` and :class:`StepOutput`).
+    ``par``: one device's part of a sharded step (see :class:`Parallel`). ``sample_rows=False``:
+    greedy tokens only, and the logits for a :func:`sample` call that the caller makes when a row
+    draws or asks for logprobs (the sort and the Gumbel draw then cost nothing on greedy steps)."""
+    if par.context and par.data:
+        raise ValueError("context parallelism over a mesh with a data axis is not supported")
+    rows = every = _rows(batch, num_decode, window)
+    tokens = batch.tokens
+    if par.context:
+        rows, idx = _context_shard(rows, tokens.shape[0], par.context)
+        tokens = tokens[idx]
+    pool = copy_pages(pool, batch.copy_src, batch.copy_dst)
+    trunk = StepTrunk.start(cfg, params["embed"][tokens].astype(f32))
+    trunk, pool, windows = _run_layers(cfg, lay, kernels, params, trunk, pool, batch, rows, par)
     last = jnp.maximum(batch.cu_seqlens[1:] - 1, 0)
     out = trunk.output(cfg, params)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]

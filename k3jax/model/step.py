@@ -720,8 +720,9 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
         if kernels.mxfp4_matmul is None:  # gathered still packed
             gate_up, down = (jax.tree.map(lambda a: a[jnp.minimum(used, E - 1)], w) for w in (gate_up, down))
         E = flat.shape[0]  # the groups: one per routed slot, the unused ones empty
+    k = cfg.num_experts_per_tok
     order = jnp.argsort(flat)
-    tok = order // cfg.num_experts_per_tok
+    tok = order // k
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(i32)
 
     def grouped(a, w):
@@ -735,7 +736,7 @@ def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel()
     y = grouped(glu(cfg, h[:, :I], h[:, I:]), down)
     if par.experts:  # rows past the groups: not this device's (a grouped matmul may leave them unset)
         y = jnp.where((flat[order] < E)[:, None], y, 0.0)
-    k = cfg.num_experts_per_tok  # back in token order by a gather (no scatter-add), summed in a fixed order
+    # back in token order by a gather (no scatter-add), summed in a fixed order
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = jnp.sum(y[back].reshape(-1, k, y.shape[-1]) * w[..., None], axis=1)
     if par.data:  # each shard's tokens back to it, summed over the data axis's experts

@@ -73,16 +73,12 @@ def short_conv(x, weight, *, bias=None, activation="silu", initial_state=None, c
         from_state = init[s, jnp.clip(W - 1 + pos - start, 0, W - 2)]
         return jnp.where(inside[..., None], from_x, from_state)
 
-    # tap by tap over shifted copies of x (one elementwise pass; no [T, W, D] windows, no matmul)
+    # tap by tap (one elementwise pass; no [T, W, D] windows, no matmul)
     t = jnp.arange(TT, dtype=jnp.int32)
     wf = weight.astype(jnp.float32)
     y = jnp.zeros((TT, D), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), (TT, D))
-    for j in range(W):
-        back = W - 1 - j  # tokens before the current one
-        shifted = jnp.pad(xf, ((back, 0), (0, 0)))[:TT]
-        pos = t - back
-        raw = jnp.where((pos >= start)[:, None], shifted, init[s, jnp.clip(W - 1 + pos - start, 0, W - 2)])
-        y = y + raw.astype(jnp.float32) * wf[:, j]
+    for j in range(W):  # tap j reads the input W - 1 - j tokens back
+        y = y + gather(t - (W - 1 - j), s, start).astype(jnp.float32) * wf[:, j]
     y = jnp.where(ok[:, None], _activate(y, activation), 0.0)
     ends = cu[1:]
     last_pos = ends[:, None] - (W - 1) + jnp.arange(W - 1, dtype=jnp.int32)[None]  # [N, W - 1]

@@ -456,7 +456,8 @@ def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache, engine):
     the n-gram drafter and by one that knows the answer: greedy outputs equal those without
     speculation, drafts are accepted, nothing compiles after warm-up, and requests whose windows
     reach the last positions of ``max_len`` end there (each row advances once per step; with the
-    prefix cache no window reaches a hash boundary)."""
+    prefix cache no window reaches a hash boundary). Then, on the same engine, a drafter that is
+    always wrong backs off (``spec_backoff``)."""
     rng = np.random.default_rng(8)
     prompts = [[5, 6, 7] * 10, rng.integers(0, 256, 99).tolist(), [9, 4] * 40, [3] * 20]
     max_tokens = [40, 29, 48, 60]  # up to 128 = max_len for the second and third
@@ -479,6 +480,40 @@ def test_speculation_gives_the_same_tokens_to_the_end_of_max_len(cache, engine):
         assert run(spec) == want
         assert spec.metrics["accepted_drafts"] > (100 if drafter else 0)
         assert spec.runner.compiles_while_serving == 0
+    _check_backoff(spec, run, prompts, want)
+
+
+class _WrongDrafter:
+    """Proposes k tokens no greedy output has; records each request's proposal positions."""
+
+    def __init__(self, prompts, outputs):
+        self.known, self.at = [(p, o) for p, o in zip(prompts, outputs)], {}
+
+    def propose(self, tokens, k):
+        i = next(i for i, (p, _) in enumerate(self.known) if tokens[: len(p)] == p)
+        self.at.setdefault(i, []).append(len(tokens))
+        o = self.known[i][1][len(tokens) - len(self.known[i][0]):]
+        return [(t + 1) % 256 for t in o[:k]]
+
+
+def _check_backoff(e, run, prompts, want):
+    """A drafter that is always wrong: the tokens stay greedy and no draft is accepted; with
+    ``spec_backoff`` the ``m``-th miss in a row waits ``min(2^(m-1), spec_backoff)`` steps (each
+    a token) before the next proposal (a hash boundary may hold it back longer, never less);
+    without, it proposes at every step with room."""
+    counts = {}
+    for backoff in (4, 0):
+        wrong = _WrongDrafter(prompts, want)
+        e.sched.drafter, e.sched.spec_backoff = wrong, backoff
+        accepted = e.metrics["accepted_drafts"]
+        assert run(e) == want and e.metrics["accepted_drafts"] == accepted
+        counts[backoff] = sum(map(len, wrong.at.values()))
+        for at in wrong.at.values():
+            waits = [min(1 << m, backoff) for m in range(len(at) - 1)]
+            assert all(b - a >= 1 + w for a, b, w in zip(at, at[1:], waits)), (backoff, at)
+            if not e.sched.H:  # nothing else holds a proposal back
+                assert [b - a for a, b in zip(at, at[1:])] == [1 + w for w in waits], (backoff, at)
+    assert counts[4] < counts[0] / 2, counts
 
 
 @pytest.mark.slow  # the step on packed experts: tests/k3jax/test_mxfp4.py

@@ -27,7 +27,6 @@ from k3jax.model.step import layer_runs
 from serving.engine import CONFIGS, Engine
 from pallas_kernels.kda.decode_pages import kda_decode_pages
 from pallas_kernels.mla import paged_mla_decode
-from serving import step_engine
 from serving.step_engine import StepEngine, default_step_kernels
 
 PROMPTS = [[5, 6, 7] * 100, [9] * 40]
@@ -41,12 +40,7 @@ def main() -> int:
     ap.add_argument("--expand-from", type=int, default=None,
                     help="prefill chunks of at least this many tokens attend over expanded keys and values "
                          "(StepKernels.expand_prefill_from; the GPU default 1024 is past these prompts)")
-    ap.add_argument("--uncapped", action="store_true",
-                    help="with --pages 0: the pool at 30%% of free memory without the 2^31-word cap "
-                         "(serving.step_engine.DEFAULT_POOL_WORDS_CAP)")
     a = ap.parse_args()
-    if a.uncapped:
-        step_engine.DEFAULT_POOL_WORDS_CAP = 2**62
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for name in ("jax", "absl"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -381,7 +381,8 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     The decode kernels became the GPU default once the engine ran on them on its default pool
     (2^31 words) on an H100 on 2026-12-07 (``benchmarks.engine_check --paged both --pages 0``):
     the CUDA illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed
-    in 38a9a4c). The MXFP4 matmul became the default after it measured 2.4x faster than
+    in 38a9a4c). It ran on them again on a pool of 2.82 x 2^31 words (30% of an H100's free
+    memory, 64-bit offsets in the kernels) on 2026-12-08. The MXFP4 matmul became the default after it measured 2.4x faster than
     gathering the routed experts at batch 1 on the K3 slice (H100, 2026-12-07, docs/benchmarks.md);
     the gathered path handles one expert per routed slot whatever the routing. Prefill chunks of
     1024 tokens or more attend over expanded keys and values (``expand_prefill_from``) since a
@@ -409,9 +410,8 @@ class StepEngine(EngineBase):
         chunks per step; max_chunk: tokens per chunk.
       prefix_cache: share prompt prefixes across requests (SERVING.md); hash_tokens: its hash
         block (the reuse unit; pages are a multiple of it).
-      num_pages: pool pages (None: 30% of the device's free memory on an accelerator, at most
-        ``DEFAULT_POOL_WORDS_CAP`` words, else enough for ``max_running`` requests of
-        ``max_len``); page_tokens: MLA page size (None: as large as a KDA state page allows, a
+      num_pages: pool pages (None: 30% of the device's free memory on an accelerator, else
+        enough for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as a KDA state page allows, a
         multiple of the hash block).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
       mixed_decode_buckets: the decode rows of the compiled steps that also prefill (None: only
@@ -693,17 +693,9 @@ class StepEngine(EngineBase):
                 "steps": self.metrics["steps"], "compiles_while_serving": self.runner.compiles_while_serving}
 
 
-# The largest pool the engine has served from on a GPU (H100, 2026-12-07). The Triton kernels
-# index a pool of more than 2^32 bytes with 64-bit offsets and accept one (an explicit
-# ``num_pages``), but the default stays here until the engine has run on such a pool on a GPU
-# (``benchmarks.engine_check --pages 0 --uncapped``).
-DEFAULT_POOL_WORDS_CAP = 2**31 - 1
-
-
 def _default_pages(lay: PoolLayout, max_running: int, per_request: int, reserved: int = 0) -> int:
     stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
         # 30%: the rest for the compiled steps' activations
-        pages = lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved, fraction=0.3)
-        return min(pages, DEFAULT_POOL_WORDS_CAP // lay.page_words)
+        return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved, fraction=0.3)
     return max_running * per_request

@@ -306,15 +306,20 @@ def _operands(a, b):
     return a, b, jax.lax.Precision.DEFAULT
 
 
-def mm(spec: str, a, b):
-    """``einsum(spec, a, b)`` in ``b``'s dtype with a float32 result (see :func:`_operands`)."""
+def mm(spec: str, a, b, out=f32):
+    """``einsum(spec, a, b)`` in ``b``'s dtype, accumulated in float32, the result in ``out`` (see
+    :func:`_operands`). A 16-bit ``out`` of 16-bit operands is written by the matmul itself
+    (float32 accumulators rounded once, as a float32 result cast after, without its round trip
+    through memory)."""
     a, b, prec = _operands(a, b)
-    return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=prec)
+    if a.dtype == f32:
+        return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=prec).astype(out)
+    return jnp.einsum(spec, a, b, preferred_element_type=out, precision=prec)
 
 
-def linear(x, w):
-    """``x @ w.T`` with ``w [out, in]``: operands in ``w``'s dtype, float32 result."""
-    return mm("...i,oi->...o", x, w)
+def linear(x, w, out=f32):
+    """``x @ w.T`` with ``w [out, in]``: operands in ``w``'s dtype, the result in ``out``."""
+    return mm("...i,oi->...o", x, w, out)
 
 
 def dense_mlp(cfg: ModelConfig, p, x):
@@ -380,7 +385,7 @@ def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, poo
     accepted drafts are known (else None)."""
     T = x.shape[0]
     HV, K, nd, nt = cfg.linear_num_heads, cfg.linear_head_dim, rows.nd, rows.nt
-    raw = linear(x, p["qkv"]).astype(x.dtype)  # [T, 3 * HV * K]
+    raw = linear(x, p["qkv"], x.dtype)  # [T, 3 * HV * K]
     g = kda_gate(linear(linear(x, p["f_a"]), p["f_b"]).reshape(T, HV, K), p["A_log"].reshape(HV), p["dt_bias"],
                  lower_bound=cfg.kda_lower_bound)
     beta = jax.nn.sigmoid(linear(x, p["b"]))
@@ -543,7 +548,7 @@ def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block
 def _expand_tile(latents, expand):
     """A tile's keys and values ``[S, nh, n]``, ``[S, nh, v]`` from its latents ``[S, L]`` through
     ``expand=(w_uk, w_uv)``, in the latents' dtype."""
-    return tuple(mm("sl,hnl->shn", latents, w).astype(latents.dtype) for w in expand)
+    return tuple(mm("sl,hnl->shn", latents, w, latents.dtype) for w in expand)
 
 
 def flash_prefill_attention(lay: PoolLayout, pool, li, q_nope, q_rope, pos, block_table, end, expand, *,

@@ -91,9 +91,11 @@ _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 def hlo_sources(hlo_text: str) -> dict[str, str]:
     """Where each instruction of a compiled module's HLO text (``compiled.as_text()``) comes
-    from, ``{name: "op at file:line (function)"}``: its op name's last part and its innermost
-    source frame. A profile's XLA kernels are named after their fusion instructions, so this
-    names the model code behind them (its keys spell HLO's ``.N`` suffixes ``_N``, as kernel names do)."""
+    from, ``{name: "scopes/op at file:line (function)"}``: its op name without JAX's
+    transformation parts (the ``jax.named_scope`` names the model gives its sublayers, then the
+    op) and its innermost source frame where the text has the tables. A profile's XLA kernels are
+    named after their fusion instructions, so this names the model code behind them (its keys
+    spell HLO's ``.N`` suffixes ``_N``, as kernel names do)."""
     tables = {k: {} for k in _TABLES}
     table, found = None, {}
     for line in hlo_text.splitlines():
@@ -118,7 +120,16 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
                f"({name('FunctionNames', 'function_name_id')})"
 
     # named as a GPU profile names the kernels: HLO's "input_reduce_fusion.1" is "input_reduce_fusion_1" there
-    return {n.replace(".", "_"): op.rsplit("/", 1)[-1] + frame(sf) for n, (op, sf) in found.items()}
+    return {n.replace(".", "_"): _scoped_op(op) + frame(sf) for n, (op, sf) in found.items()}
+
+
+_TRANSFORMS = re.compile(r"^(jit\(.*\)|pjit|while|body|cond|eval_jaxpr|closed_call|checkpoint|remat|shard_map|"
+                         r"jvp\(.*\)|transpose\(.*\)|vmap\(.*\)|custom_jvp_call|custom_vjp_call)$")
+
+
+def _scoped_op(op_name: str) -> str:
+    """``jit(step)/while/body/kda_layer/short_conv/mul`` -> ``kda_layer/short_conv/mul``."""
+    return "/".join(p for p in op_name.split("/") if not _TRANSFORMS.match(p)) or op_name
 
 
 def device_seconds(f, steps=20):

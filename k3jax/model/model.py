@@ -188,6 +188,7 @@ def mla_attention(cfg: ModelConfig, p, x, kv_cache, pos):
     return linear(o, p["o"]), kv_cache
 
 
+@jax.named_scope("route")
 def route(cfg: ModelConfig, p, x):
     """Sigmoid router with score-correction bias and group-limited top-k.
     Returns ``(weights f32[T, k], experts i32[T, k])``."""

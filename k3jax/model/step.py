@@ -322,6 +322,7 @@ def linear(x, w, out=f32):
     return mm("...i,oi->...o", x, w, out)
 
 
+@jax.named_scope("dense_mlp")
 def dense_mlp(cfg: ModelConfig, p, x):
     return linear(glu(cfg, linear(x, p["gate"]), linear(x, p["up"])), p["down"])
 
@@ -377,6 +378,7 @@ def _spread(a, nt: int, axis: str | None):
     return jnp.concatenate([a[:nt], jax.lax.all_gather(a[nt:], axis, axis=0, tiled=True)])
 
 
+@jax.named_scope("kda_layer")
 def kda_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li: int, batch: StepBatch,
               rows: _Rows):
     """KDA sublayer over packed ``x [T, D]``; reads and writes KDA layer ``li``'s state pages.
@@ -505,6 +507,7 @@ def latent_attention(q_lat, q_rope, ctx, visible, L: int, scale: float, w_uv):
     return mm("...hl,hvl->...hv", mm("...hs,sl->...hl", a, ctx[:, :L]), w_uv)
 
 
+@jax.named_scope("prefill_attention")
 def prefill_attention(lay: PoolLayout, pool, li, q_lat, q_rope, mine, pos, block_table, end, *, scale: float,
                       tile: int, expand=None):
     """Absorbed attention of the queries ``mine bool[T]`` of ``q_lat [T, nh, L]``, ``q_rope [T, nh, R]``
@@ -551,6 +554,7 @@ def _expand_tile(latents, expand):
     return tuple(mm("sl,hnl->shn", latents, w, latents.dtype) for w in expand)
 
 
+@jax.named_scope("flash_prefill_attention")
 def flash_prefill_attention(lay: PoolLayout, pool, li, q_nope, q_rope, pos, block_table, end, expand, *,
                             scale: float, tile: int, flash: Callable, block: int):
     """:func:`prefill_attention`'s expanded form with each tile's scores in ``flash`` (the contract
@@ -576,6 +580,7 @@ PREFILL_TILE = 512  # context tokens a prefill row's attention reads per iterati
 FLASH_TILE = 2048  # the same with the fused kernel (it keeps no scores in memory; its state is read once a tile)
 
 
+@jax.named_scope("mla_layer")
 def mla_layer(cfg: ModelConfig, lay: PoolLayout, kernels: StepKernels, p, x, pool, li, batch: StepBatch,
               rows: _Rows):
     """MLA sublayer (no positional encoding, as in Kimi Linear): writes the tokens' latents into
@@ -691,6 +696,7 @@ def grouped_mxfp4(kernels: StepKernels, a, w: MXFP4, sizes, dtype):
     return jax.lax.fori_loop(0, E // G, block, jnp.zeros((M + R, N), f32))[:M]
 
 
+@jax.named_scope("moe")
 def moe(cfg: ModelConfig, kernels: StepKernels, p, x, par: Parallel = Parallel(), num_decode_tokens: int = 0):
     """Routed experts as grouped matmuls over tokens sorted by expert, plus the shared experts
     (Stable LatentMoE: the experts work in ``latent_down x``; see :func:`k3jax.model.model.moe`).

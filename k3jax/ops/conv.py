@@ -34,6 +34,7 @@ def _taps(windows, weight, bias, activation):
     return _activate(y, activation)
 
 
+@jax.named_scope("short_conv")
 def short_conv(x, weight, *, bias=None, activation="silu", initial_state=None, cu_seqlens=None):
     """Causal depthwise conv over whole sequences.
 

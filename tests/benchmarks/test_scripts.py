@@ -64,7 +64,8 @@ def _softmax_sum(x, y):
 
 
 def test_hlo_sources_name_the_code_behind_each_fusion():
-    """A compiled module's instructions are traced to the op and source line that made them."""
+    """A compiled module's instructions are traced to the named scopes, op and source line that
+    made them (inside a scan: JAX's own parts of the op name are dropped)."""
     import inspect
 
     import jax
@@ -73,9 +74,11 @@ def test_hlo_sources_name_the_code_behind_each_fusion():
     from benchmarks.common import hlo_sources
 
     x = jnp.ones((64, 64))
-    sources = hlo_sources(jax.jit(_softmax_sum).lower(x, x).compile().as_text())
+    scoped = jax.named_scope("softmax")(_softmax_sum)
+    scanned = lambda x, y: jax.lax.scan(lambda c, _: (c + scoped(x, y)[0], None), 0.0, None, length=2)[0]
+    sources = hlo_sources(jax.jit(scanned).lower(x, x).compile().as_text())
     first = inspect.getsourcelines(_softmax_sum)[1]
     dot, total = f"test_scripts.py:{first + 3} (_softmax_sum)", f"test_scripts.py:{first + 4} (_softmax_sum)"
-    assert any(v == f"dot_general at {dot}" for v in sources.values()), sources
-    assert any(v == f"reduce_sum at {total}" for v in sources.values()), sources
+    assert any(v == f"softmax/dot_general at {dot}" for v in sources.values()), sources
+    assert any(v == f"softmax/reduce_sum at {total}" for v in sources.values()), sources
     assert not any("." in name for name in sources)  # "fusion.2" is kernel "fusion_2" in a GPU profile

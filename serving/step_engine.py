@@ -382,9 +382,9 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     (2^31 words) on an H100 on 2026-12-07 (``benchmarks.engine_check --paged both --pages 0``):
     the CUDA illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed
     in 38a9a4c). It ran on them again on a pool of 2.82 x 2^31 words (30% of an H100's free
-    memory, 64-bit offsets in the kernels) on 2026-12-08. The MXFP4 matmul became the default after it measured 2.4x faster than
-    gathering the routed experts at batch 1 on the K3 slice (H100, 2026-12-07, docs/benchmarks.md);
-    the gathered path handles one expert per routed slot whatever the routing. Prefill chunks of
+    memory, 64-bit offsets in the kernels) on 2026-12-08. The MXFP4 matmul became the default
+    after it measured 2.4x faster than gathering the routed experts at batch 1 on the K3 slice
+    (H100, 2026-12-07, docs/benchmarks.md); the gathered path handles one expert per routed slot whatever the routing. Prefill chunks of
     1024 tokens or more attend over expanded keys and values (``expand_prefill_from``) since a
     131,072-token prompt's first token came 1.41x sooner that way with the same token (H100,
     2026-12-07, ``benchmarks.engine_prefill --expand-from 1024``), and those expanded tiles go
@@ -411,8 +411,8 @@ class StepEngine(EngineBase):
       prefix_cache: share prompt prefixes across requests (SERVING.md); hash_tokens: its hash
         block (the reuse unit; pages are a multiple of it).
       num_pages: pool pages (None: 30% of the device's free memory on an accelerator, else
-        enough for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None: as large as a KDA state page allows, a
-        multiple of the hash block).
+        enough for ``max_running`` requests of ``max_len``); page_tokens: MLA page size (None:
+        as large as a KDA state page allows, a multiple of the hash block).
       decode_buckets, prefill_buckets: compiled batch sizes (None: powers of four up to the limits).
       mixed_decode_buckets: the decode rows of the compiled steps that also prefill (None: only
         the largest decode bucket). Each is a compilation per prefill bucket, and a step with a

@@ -384,8 +384,8 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     in 38a9a4c). It ran on them again on a pool of 2.82 x 2^31 words (30% of an H100's free
     memory, 64-bit offsets in the kernels) on 2026-12-08. The MXFP4 matmul became the default
     after it measured 2.4x faster than gathering the routed experts at batch 1 on the K3 slice
-    (H100, 2026-12-07, docs/benchmarks.md); the gathered path handles one expert per routed slot whatever the routing. Prefill chunks of
-    1024 tokens or more attend over expanded keys and values (``expand_prefill_from``) since a
+    (H100, 2026-12-07, docs/benchmarks.md); the gathered path handles one expert per routed slot
+    whatever the routing. Prefill chunks of 1024 tokens or more attend over expanded keys and values (``expand_prefill_from``) since a
     131,072-token prompt's first token came 1.41x sooner that way with the same token (H100,
     2026-12-07, ``benchmarks.engine_prefill --expand-from 1024``), and those expanded tiles go
     through the fused attention kernel (``mla_prefill``, where the head sizes suit Triton) since

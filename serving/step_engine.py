@@ -378,19 +378,20 @@ def default_step_kernels(cfg: ModelConfig, backend: str | None = None) -> StepKe
     matmul that dequantises in registers (``mxfp4_grouped_matmul``); the XLA paths elsewhere (the
     kernels' TPU versions are not yet measured on a TPU).
 
-    The decode kernels became the GPU default once the engine ran on them on its default pool
-    (2^31 words) on an H100 on 2026-12-07 (``benchmarks.engine_check --paged both --pages 0``):
-    the CUDA illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed
-    in 38a9a4c). It ran on them again on a pool of 2.82 x 2^31 words (30% of an H100's free
-    memory, 64-bit offsets in the kernels) on 2026-12-08. The MXFP4 matmul became the default
-    after it measured 2.4x faster than gathering the routed experts at batch 1 on the K3 slice
-    (H100, 2026-12-07, docs/benchmarks.md); the gathered path handles one expert per routed slot
-    whatever the routing. Prefill chunks of 1024 tokens or more attend over expanded keys and values (``expand_prefill_from``) since a
-    131,072-token prompt's first token came 1.41x sooner that way with the same token (H100,
-    2026-12-07, ``benchmarks.engine_prefill --expand-from 1024``), and those expanded tiles go
-    through the fused attention kernel (``mla_prefill``, where the head sizes suit Triton) since
-    the same prompt's first token came 3.56x sooner with it (1.24 s against 4.41 s, the same
-    token) and ``benchmarks.engine_check --expand-from 64`` passed on it (H100, 2026-12-07)."""
+    The decode kernels became the GPU default once the engine ran on them on its default pool (2^31
+    words) on an H100 on 2026-12-07 (``benchmarks.engine_check --paged both --pages 0``): the CUDA
+    illegal address of 2026-12-06 came from padding decode rows reading page -1 (fixed in 38a9a4c).
+    It ran on them again on a pool of 2.82 x 2^31 words (30% of an H100's free memory, 64-bit
+    offsets in the kernels) on 2026-12-08. The MXFP4 matmul became the default after it measured
+    2.4x faster than gathering the routed experts at batch 1 on the K3 slice (H100, 2026-12-07,
+    docs/benchmarks.md); the gathered path handles one expert per routed slot whatever the routing.
+    Prefill chunks of 1024 tokens or more attend over expanded keys and values
+    (``expand_prefill_from``) since a 131,072-token prompt's first token came 1.41x sooner that way
+    with the same token (H100, 2026-12-07, ``benchmarks.engine_prefill --expand-from 1024``), and
+    those expanded tiles go through the fused attention kernel (``mla_prefill``, where the head
+    sizes suit Triton) since the same prompt's first token came 3.56x sooner with it (1.24 s against
+    4.41 s, the same token) and ``benchmarks.engine_check --expand-from 64`` passed on it (H100,
+    2026-12-07)."""
     kernels = StepKernels(chunk_kda=default_kernels(cfg, backend).chunk_kda)
     if (backend or jax.default_backend()) != "gpu":
         return kernels

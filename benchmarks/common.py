@@ -28,6 +28,17 @@ def balanced_routing(params):
     return jax.tree_util.tree_map_with_path(zero, params)
 
 
+def random_model(cfg, mxfp4: bool = False):
+    """Random step-format weights for ``cfg`` (bf16, :func:`balanced_routing`); ``mxfp4``: the
+    routed experts packed in MXFP4 as Kimi K3's checkpoint has them (Kimi-Linear-48B's 98 GB
+    become 29 GB: all 27 layers fit one H100)."""
+    import jax.numpy as jnp
+
+    from k3jax.model.step import random_params
+
+    return balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16, mxfp4=mxfp4))
+
+
 def time_jax(f, inputs, *, warmup=3, repeats=20):
     """Median seconds of ``f(*inputs[i % len(inputs)])`` with inputs rotated, after warm-up."""
     for i in range(warmup):

@@ -24,12 +24,11 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, kernel_seconds, write_json
+from benchmarks.common import kernel_seconds, random_model, write_json
 from benchmarks.model_step import copy_bandwidth, decode_floor_bytes, decode_tokens, sliced_config
-from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch, random_params
+from k3jax.model.step import Row, batch_shapes, flatten_batch, pack_batch
 from serving.engine import SamplingParams
 from k3jax.parallel.sharded_step import host_memory_if, step_mesh
 from serving.step_engine import StepEngine, default_step_kernels
@@ -126,6 +125,7 @@ def main():
     ap.add_argument("--tensor", type=int, default=1, help="a mesh's tensor axis (issue 55's TP runs; 1 and --expert 1: "
                                                           "one device)")
     ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis")
+    ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (common.random_model)")
     ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="the requests' (with --temperature)")
     ap.add_argument("--search-cuts", action="store_true",
@@ -137,8 +137,8 @@ def main():
     devices = 1 if mesh is None else mesh.size
     cfg = sliced_config(a.config, a.layers)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
-            "layers": cfg.num_layers, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor, "expert": a.expert,
-            "temperature": a.temperature, "top_p": a.top_p, "search_cuts": a.search_cuts}
+            "layers": cfg.num_layers, "mxfp4": a.mxfp4, "prompt": a.prompt, "steps": a.steps, "tensor": a.tensor,
+            "expert": a.expert, "temperature": a.temperature, "top_p": a.top_p, "search_cuts": a.search_cuts}
     bandwidth = copy_bandwidth()
     rows = []
     for B in map(int, a.batches.split(",")):
@@ -146,7 +146,7 @@ def main():
         t0 = time.perf_counter()
         # step-format weights built a layer at a time and consumed by the engine (the whole model fits once)
         with host_memory_if(mesh):
-            params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))
+            params = random_model(cfg, a.mxfp4)
         engine = StepEngine(cfg, params=params, max_running=B, max_len=max_len, token_budget=max(a.budget, B + 1),
                             prefix_cache=False, decode_buckets=(B,), prefill_buckets=(max(a.budget, B + 1),),
                             num_pages=a.pages_per_row * B + 64, mesh=mesh,

@@ -21,12 +21,10 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, write_json
+from benchmarks.common import random_model, write_json
 from benchmarks.model_step import sliced_config
-from k3jax.model.step import random_params
 from serving.engine import SamplingParams
 from serving.server import positive_ints
 from serving.step_engine import StepEngine
@@ -97,6 +95,7 @@ def main():
     ap.add_argument("--config", default="configs/kimi_linear_48b_a3b.json", help="a config file, or 'mid'")
     ap.add_argument("--layers", type=int, default=4, help="keep only the first N layers (0: all)")
     ap.add_argument("--parts", default="poisson,concurrency,trace")
+    ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (common.random_model)")
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--max-len", type=int, default=16384)
@@ -117,13 +116,13 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # start-up progress
     cfg = sliced_config(a.config, a.layers)
     base = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "config": a.config,
-            "layers": cfg.num_layers, "max_running": a.max_running, "budget": a.budget, "max_len": a.max_len,
-            "checkpoints_inside": not a.checkpoints_after}
+            "layers": cfg.num_layers, "mxfp4": a.mxfp4, "max_running": a.max_running, "budget": a.budget,
+            "max_len": a.max_len, "checkpoints_inside": not a.checkpoints_after}
     rows = []
 
     def engine(prefix_cache: bool, **kw) -> StepEngine:
         t0 = time.perf_counter()
-        params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # an engine consumes its params
+        params = random_model(cfg, a.mxfp4)  # an engine consumes its params
         e = StepEngine(cfg, params=params, max_running=a.max_running, max_len=a.max_len, token_budget=a.budget,
                        max_prefill_rows=8, prefix_cache=prefix_cache, hash_tokens=HASH_BLOCK,
                        decode_buckets=a.decode_buckets, prefill_buckets=a.prefill_buckets,

@@ -22,12 +22,10 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, write_json
+from benchmarks.common import random_model, write_json
 from benchmarks.model_step import sliced_config
-from k3jax.model.step import random_params
 from k3jax.parallel.sharded_step import host_memory_if, step_mesh
 from pallas_kernels.mla.prefill_flash import attend_tile
 from serving.engine import SamplingParams
@@ -54,6 +52,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=16384, help="prefill tokens per step")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mxfp4", action="store_true", help="routed experts packed in MXFP4 (common.random_model)")
     ap.add_argument("--expert", type=int, default=1, help="a mesh's expert axis (1: one device)")
     ap.add_argument("--context-from", type=int, default=None,
                     help="with --expert: prefill steps of at least this many tokens split over it (KCP)")
@@ -66,7 +65,7 @@ def main():
     mesh = step_mesh(1, a.expert) if a.expert > 1 else None
     cfg = sliced_config(a.config, a.layers)
     with host_memory_if(mesh):
-        params = balanced_routing(random_params(cfg, jax.random.key(0), jnp.bfloat16))  # consumed by the engine
+        params = random_model(cfg, a.mxfp4)  # consumed by the engine
     t0 = time.perf_counter()
     engine = StepEngine(cfg, params=params, max_running=4, max_len=a.prompt + 64, token_budget=a.budget,
                         max_prefill_rows=1, prefix_cache=False, decode_buckets=(4,), prefill_buckets=(a.budget,),
@@ -78,7 +77,7 @@ def main():
     times, first = zip(*[ttft_s(engine, a.prompt, seed) for seed in range(a.repeats)])
     ttft = float(np.median(times))
     row = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-           "devices": 1 if mesh is None else mesh.size, "config": a.config, "layers": cfg.num_layers,
+           "devices": 1 if mesh is None else mesh.size, "config": a.config, "layers": cfg.num_layers, "mxfp4": a.mxfp4,
            "prompt": a.prompt, "budget": a.budget, "context_from": a.context_from,
            "expand_from": a.expand_from, "flash": a.flash, "first_tokens": first, "ttft_s": times,
            "ttft_median_s": ttft, "prefill_tokens_per_s": a.prompt / ttft, "startup_s": startup,

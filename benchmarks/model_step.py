@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import balanced_routing, hlo_sources, kernel_seconds, write_json
+from benchmarks.common import hlo_sources, kernel_seconds, random_model, write_json
 from k3jax.model import ModelConfig
 from k3jax.model.pool import PoolLayout
-from k3jax.model.step import (PREFILL_TILE, Row, StepKernels, jit_step, layer_shapes, pack_batch, random_params,
+from k3jax.model.step import (PREFILL_TILE, Row, StepKernels, jit_step, layer_shapes, pack_batch,
                               stack_layers)
 from pallas_kernels.mla.prefill_flash import attend_tile
 from pallas_kernels.moe import mxfp4_grouped_matmul
@@ -300,7 +300,7 @@ def main():
             for r in bench_ragged(cfg, t):
                 emit(r)
     t0 = time.perf_counter()
-    params = balanced_routing(random_params(cfg, jax.random.key(0), mxfp4=a.mxfp4))
+    params = random_model(cfg, a.mxfp4)
     if a.scan_layers:
         params = stack_layers(cfg, params)
     jax.block_until_ready(params)

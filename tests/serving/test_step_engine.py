@@ -194,6 +194,7 @@ def test_a_temperature_below_the_greedy_bound_is_greedy(engine, greedy_reference
     assert engine.generate(PROMPTS[:1], max_tokens=2, temperature=0.5, seed=1)[0].token_ids and draws
 
 
+@pytest.mark.slow  # CI time (two engines): test_drawing_after_the_step_equals_sampling_in_it checks the draw per filter
 def test_the_engine_draws_as_the_sampler_inside_its_step(greedy_reference):
     """The engine's split sampling (a greedy step; the sampler call only when a row draws or asks
     for logprobs, searching the top-k and top-p cuts (``search_cuts``, the default), sorting only for top logprobs)

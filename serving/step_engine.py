@@ -697,6 +697,7 @@ class StepEngine(EngineBase):
 def _default_pages(lay: PoolLayout, max_running: int, per_request: int, reserved: int = 0) -> int:
     stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
-        # 30%: the rest for the compiled steps' activations
+        # 30%: a prefill bucket's compiled step held up to two copies of the pool as temporaries
+        # on the GPU (H100, 2026-12-06: pool 3.7 GiB, temporaries 7.3 GiB), plus its activations
         return lay.pages_for_memory(stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved, fraction=0.3)
     return max_running * per_request

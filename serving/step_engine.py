@@ -83,10 +83,13 @@ DEFAULT_COMPILE_CACHE = os.environ.get("K3JAX_COMPILE_CACHE", os.path.expanduser
 
 
 def use_compile_cache(path: str):
-    """Point JAX's persistent compilation cache at ``path`` unless one is already configured."""
+    """Point JAX's persistent compilation cache at ``path`` unless one is already configured, and
+    keep every program in it: by JAX's default only those that took a second or more to compile,
+    which left the sampler's and the model initialisation's to compile again at every start."""
     if not jax.config.jax_compilation_cache_dir:
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def fed_step(cfg, lay, kernels, num_decode, params, pool, last, ints, floats, *, shapes, window, num_logprobs,

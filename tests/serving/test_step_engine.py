@@ -3,6 +3,8 @@ budgets, batch sizes and preemption; no compilation after warm-up; aborts; bad r
 
 import dataclasses
 import os
+import subprocess
+import sys
 from functools import partial
 
 import jax
@@ -83,6 +85,22 @@ def test_params_go_with_a_config():
     cfg, ref = _model()
     with pytest.raises(ValueError, match="goes with a ModelConfig"):
         StepEngine("tiny", params=prepare_params(cfg, ref, jnp.float32))
+
+
+def test_the_engine_keeps_every_compiled_program_for_the_next_start(tmp_path):
+    """The engine's compile cache keeps programs that compile in well under a second (JAX keeps
+    only those over one by default): a fresh process finds a small one there."""
+    code = ("import sys, jax, jax.numpy as jnp; from serving.step_engine import use_compile_cache; "
+            "use_compile_cache(sys.argv[1]); print(jax.jit(lambda x: x * 3 + 1)(jnp.arange(4.0)))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    run = lambda: subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                                 check=True)
+    kept = lambda: {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name.startswith("jit__lambda")}
+    run()
+    first = kept()
+    assert first, sorted(p.name for p in tmp_path.iterdir())
+    run()
+    assert kept() == first  # read, not compiled and written again
 
 
 @pytest.mark.parametrize("budget,async_dispatch", [  # 256 (CI time): the module engine's own budget is 64

@@ -266,6 +266,17 @@ class PrefixCache:
             block_table=list(req.blocks),
         )
 
+    def first_kept(self, req_id, start: int, end: int) -> int | None:
+        """The first hash boundary strictly inside tokens ``(start, end)`` that the request's
+        junction or the interval keeps (in tokens; None: none): an engine that writes one
+        checkpoint a row ends the row's chunk there, so that the boundary gets its checkpoint."""
+        req, H, n = self._reqs[req_id], self.cfg.hash_tokens, self.cfg.interval
+        kept = [b for b in req.keep if start < b * H < end]
+        if n:
+            b = (start // H // n + 1) * n  # the first interval boundary after start
+            kept += [b] if b * H < end else []
+        return min(kept) * H if kept else None
+
     def _keeps(self, req: _Request, b: int) -> bool:
         # The prompt-end checkpoint sits before the prompt's last token: a resend of the same
         # prompt must recompute at least that token to get its logits.
@@ -342,10 +353,12 @@ class PrefixCache:
         self._release_blocks(req)
 
     def abort(self, req_id):
-        """Drop a request that will not finish: its unlanded registrations are withdrawn."""
+        """Drop a request that will not finish (or is preempted): its unlanded registrations are
+        withdrawn; its landed checkpoints stay cached, so a preempted request resumes from them."""
         req = self._reqs.pop(req_id)
         for u in req.ckpts.values():
-            self._drop(u)
+            landed = u.keys and all(self._ckpt_index.get(k, (None, self.landed))[1] < self.landed for k in u.keys)
+            (self._unpin if landed else self._drop)(u)
         for u in req.owned_blocks.values():
             if any(self._mla_index.get(k, (None, -1))[1] >= self.landed for k in u.keys):
                 self._unregister(u)

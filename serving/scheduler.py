@@ -45,7 +45,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     slot: int = -1
     done: int = 0
-    cached: int = 0  # prompt tokens served from the prefix cache
+    cached: int = 0  # prompt tokens served from the prefix cache (at its first admission)
+    admitted: bool = False  # once admitted (preemption does not reset it)
     hashes: list[int] = field(default_factory=list)  # chain hashes of the complete hash blocks of tokens
     restore: tuple[int, tuple[int, int] | None] | None = None  # a hit's (checkpoint, page copy), for its first row
     cache_tokens: int = 0  # tokens the prefix cache has given pages for
@@ -108,6 +109,9 @@ class Scheduler:
                  max_prefill_rows: int, max_chunk: int, cache: PrefixCache | None = None, ids=None,
                  speculative: int = 0, drafter=None, spec_backoff: int = 16, draft_context: int = 4096,
                  checkpoint_stride: int | None = None):
+        if min(max_prefill_rows, max_chunk) < 1:
+            raise ValueError(f"max_prefill_rows ({max_prefill_rows}) and max_chunk ({max_chunk}) must be at least 1: "
+                             "prompts are prefilled in chunks of prefill rows")
         self.pool, self.P = pool, page_tokens
         self.budget = token_budget
         self.max_decode, self.max_prefill_rows, self.max_chunk = max_decode, max_prefill_rows, max_chunk
@@ -164,7 +168,9 @@ class Scheduler:
         except PoolExhausted:
             return False
         r.slot, r.pages = adm.slot[0], [b[0] for b in adm.block_table]
-        r.done = r.cached = adm.num_cached_tokens
+        r.done = adm.num_cached_tokens
+        if not r.admitted:  # a readmission's hit may cover generated tokens: the first one's is reported
+            r.cached, r.admitted = min(r.done, len(r.prompt)), True
         r.cache_tokens = r.prefill_end
         if r.done:
             copy = (adm.copy_block_from[0], r.pages[r.done // self.P]) if adm.copy_block_from else None
@@ -329,6 +335,8 @@ class Scheduler:
                     b -= H  # a resend of this prompt restores the boundary before its last token
                 if not (self.checkpoints_inside and end == r.prefill_end and r.done % H == 0):
                     end = b  # the chunk ends on it: the state after the chunk is the checkpoint
+                if (k := cache.first_kept(r.rid, r.done, b)) is not None:
+                    end = b = k  # a boundary the policy keeps (a junction, an interval) before it: it first
             if (ck := self._grow(r, end, boundary=b)) is None:
                 if new:  # not admitted after all: hold nothing while waiting
                     self.release(r)

@@ -336,7 +336,7 @@ class Scheduler:
                 if not (self.checkpoints_inside and end == r.prefill_end and r.done % H == 0):
                     end = b  # the chunk ends on it: the state after the chunk is the checkpoint
                 if (k := cache.first_kept(r.rid, r.done, b)) is not None:
-                    end = b = k  # a boundary the policy keeps (a junction, an interval) before it: it first
+                    end = b = k  # a boundary the policy keeps (a junction, an interval) comes first: end there
             if (ck := self._grow(r, end, boundary=b)) is None:
                 if new:  # not admitted after all: hold nothing while waiting
                     self.release(r)

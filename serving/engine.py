@@ -92,8 +92,8 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (_is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:  # an int32 in the step's batch
+            raise RequestError(f"top_k must be an integer in [0, 2**31 - 1], got {self.top_k!r}")
         if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):

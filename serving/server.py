@@ -343,8 +343,9 @@ class _Choice:
     """One engine request as the async side sees it: tokens, text (stop strings applied) and state."""
 
     def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: set[int], prefix_text: str = "",
-                 logprobs: bool = False):
+                 logprobs: bool = False, prompt_index: int = 0):
         self.index, self.detok, self.stop, self.stop_ids = index, Detokenizer(tokenizer), stop, stop_ids
+        self.prompt_index = prompt_index  # which prompt of the request it continues
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text, self.sent, self.token_ids = prefix_text, 0, []
         self.logprobs: list | None = [] if logprobs else None  # per token in token_ids: (offset, entry)
@@ -474,11 +475,21 @@ class App:
             if not p:
                 raise RequestError("empty prompt")
             if all(isinstance(t, int) for t in p):
-                return [(list(p), self.tokenizer.decode(p))]
-            return [(self.tokenizer.encode(x), x) if isinstance(x, str) else (list(x), self.tokenizer.decode(x))
-                    for x in p]
+                return [(list(p), self.tokenizer.decode(self._in_vocabulary(p)))]
+            return [(self.tokenizer.encode(x), x) if isinstance(x, str) else
+                    (list(x), self.tokenizer.decode(self._in_vocabulary(x))) for x in p]
         except RequestError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") is valid JSON but no UTF-8 text
+            raise APIError(400, f"the text is not valid Unicode: {e.reason} at {e.start}",
+                           param="messages" if chat else "prompt") from None
+
+    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+        """``ids``, checked before they are decoded for echo (a tokenizer may raise on them)."""
+        V = self.engine.cfg.vocab_size
+        if bad := [t for t in ids if not 0 <= t < V]:
+            raise RequestError(f"token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        return ids
 
     def _params(self, req, chat: bool, prompt_len: int) -> list[SamplingParams]:
         max_tokens = req.max_tokens
@@ -486,8 +497,11 @@ class App:
             if max_tokens is not None and max_tokens != req.max_completion_tokens:
                 raise APIError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
             max_tokens = req.max_completion_tokens
+        if max_tokens is None and chat and prompt_len >= self.engine.max_len:
+            raise APIError(400, f"the conversation ({prompt_len} tokens) leaves no room to answer within max_len "
+                           f"{self.engine.max_len}", param="messages")
         if max_tokens is None:
-            max_tokens = max(1, self.engine.max_len - prompt_len) if chat else 16
+            max_tokens = self.engine.max_len - prompt_len if chat else 16
         stop_ids = tuple(req.stop_token_ids or ())
         if self.eos is not None and not req.ignore_eos and self.eos not in stop_ids:
             stop_ids += (self.eos,)
@@ -521,6 +535,9 @@ class App:
                 except RequestError as e:
                     raise APIError(400, str(e)) from None
                 plan.append((ids, text, sp))
+        if len(plan) > self.max_waiting:  # would never fit the queue: not worth a retry
+            raise APIError(400, f"{len(plan)} choices (prompts x n) exceed the server's queue of {self.max_waiting}",
+                           param="n")
         waiting = self.engine.num_waiting
         if waiting + len(plan) > self.max_waiting:
             raise APIError(429, f"the server is busy ({waiting} requests waiting): retry later",
@@ -539,7 +556,7 @@ class App:
 
         for i, (ids, text, sp) in enumerate(plan):
             c = _Choice(i, self.tokenizer, stop, set(sp.stop_token_ids), text if (not chat and req.echo) else "",
-                        logprobs=sp.logprobs is not None)
+                        logprobs=sp.logprobs is not None, prompt_index=i // req.n)  # each prompt's n in turn
             try:
                 c.req = self.loop.submit(ids, sp, callback(i))
             except RequestError as e:  # validated above; kept for safety
@@ -770,7 +787,11 @@ class _Ctx:
 
     def usage(self) -> Usage:
         out = sum(len(c.token_ids) for c in self.choices)
-        cached = sum(c.req.result.num_cached_tokens for c in self.choices if c.req.result is not None)
+        per_prompt = {}  # a prompt's cached tokens: the most any of its choices found (counted once, as its tokens)
+        for c in self.choices:
+            if c.req.result is not None:
+                per_prompt[c.prompt_index] = max(per_prompt.get(c.prompt_index, 0), c.req.result.num_cached_tokens)
+        cached = sum(per_prompt.values())
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=out, total_tokens=self.prompt_tokens + out,
                      prompt_tokens_details={"cached_tokens": cached})
 

@@ -285,6 +285,9 @@ BAD = [
     ("top_p 2", {"prompt": "hi", "top_p": 2}, 400),
     ("top_p 0", {"prompt": "hi", "top_p": 0}, 400),
     ("top_k negative", {"prompt": "hi", "top_k": -5}, 400),
+    ("top_k 2**31", {"prompt": "hi", "top_k": 2**31}, 400),  # an int32 of the step's batch: it failed every row
+    ("lone surrogate", b'{"prompt": "\\ud800abc"}', 400),
+    ("choices over the queue", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 1, "n": 64}, 400),
     ("max_tokens string", {"prompt": "hi", "max_tokens": "many"}, 400),
     ("max_tokens 0", {"prompt": "hi", "max_tokens": 0}, 400),
     ("max_tokens float", {"prompt": "hi", "max_tokens": 2.5}, 400),
@@ -319,6 +322,8 @@ BAD_CHAT = [
     ("top_logprobs 21", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400),
     ("chat logprobs int", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, 400),
     ("tools", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400),
+    ("lone surrogate", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+    ("conversation fills the context", {"messages": [{"role": "user", "content": "x" * 300}]}, 400),
     ("token mismatch", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                         "max_completion_tokens": 4}, 400),
 ]
@@ -340,6 +345,8 @@ def test_bad_input_gets_4xx_and_the_connection_serves_on(server, path, name, bod
         assert err["param"] in err["message"] or "logprobs" in err["message"]
     if name == "echo with logprobs":
         assert "prompt log probabilities" in err["message"]
+    if name in ("choices over the queue", "conversation fills the context", "lone surrogate"):
+        assert any(w in err["message"] for w in ("exceed the server's queue", "leaves no room", "not valid Unicode"))
     if code != 413:  # a 413 may close the connection (the body is not read)
         assert post(port, {"prompt": "ok", "max_tokens": 2}, conn=conn)[0] == 200
         assert get(port, "/health", conn=conn)[0] == 200
@@ -737,3 +744,14 @@ def test_step_engine_isolates_failures_disconnects_and_load(step_server, monkeyp
     assert step_idle(engine) and not app.loop.tracked and engine.runner.compiles_while_serving == 0
     for sched in engine.scheds:
         sched.cache.check_invariants()
+
+
+def test_usage_counts_a_prompts_cached_tokens_once_for_its_n_choices(server):
+    port, engine, _ = server
+    body = {"prompt": "cached prompt " * 12, "max_tokens": 2}  # 168 tokens: two hash blocks of 64
+    assert post(port, body)[0] == 200
+    status, resp = post(port, {**body, "n": 3})
+    usage = resp["usage"]
+    assert status == 200 and usage["prompt_tokens"] == 168
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 128  # not 3 x 128
+    wait_idle(engine)

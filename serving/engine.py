@@ -135,6 +135,7 @@ class _Req:
     finished: threading.Event = field(default_factory=threading.Event)
     result: Result | None = None
     aborted: bool = False
+    abort_reason: str = "abort"  # the finish reason an abort gives ("stop": the server found a stop string)
     logprobs: list = field(default_factory=list)  # filled before on_token sees the token
     spec_misses: int = 0  # consecutive verify windows that accepted no draft
     spec_wait: int = 0  # decode steps left before drafting again
@@ -176,9 +177,10 @@ class EngineBase:
             self.step()
         return [r.result for r in reqs]
 
-    def abort(self, req):
-        """Cancel a request (e.g. the client disconnected); its pages are released next step."""
-        req.aborted = True
+    def abort(self, req, reason: str = "abort"):
+        """Cancel a request (e.g. the client disconnected); its pages are released next step and it
+        finishes with ``reason`` ("stop": a stop string ended it, and what it cached stays cached)."""
+        req.abort_reason, req.aborted = reason, True
 
     @property
     def num_waiting(self) -> int:
@@ -337,7 +339,7 @@ class Engine(EngineBase):
     def step(self):
         """One scheduling step: admit, decode, prefill under the token budget, land the cache."""
         for req in [r for r in self.running.values() if r.aborted]:
-            self._finish(req, "abort")
+            self._finish(req, req.abort_reason)
         self._admit()
         self._decode_step()
         self._prefill_step()
@@ -351,7 +353,7 @@ class Engine(EngineBase):
                     return
                 req = self.waiting.popleft()
             if req.aborted:
-                self._complete(req, "abort")
+                self._complete(req, req.abort_reason)
                 continue
             tokens = req.tokens
             req.hashes = chain_hashes(tokens, self.H)

@@ -54,6 +54,7 @@ class Request:
     spec_misses: int = 0  # consecutive windows with no draft accepted
     spec_wait: int = 0  # steps left without drafts (the back-off after misses)
     aborted: bool = False
+    abort_reason: str = "abort"  # the finish reason an abort gives ("stop": the server found a stop string)
     lane: int = 0  # the engine's data shard (scheduler) that serves it
     finished: threading.Event = field(default_factory=threading.Event)
     result: object = None

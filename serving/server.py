@@ -268,8 +268,8 @@ class EngineLoop:
             self.tracked.pop(req.rid, None)
         self.failed.pop(req.rid, None)
 
-    def abort(self, req):
-        self.engine.abort(req)
+    def abort(self, req, reason: str = "abort"):
+        self.engine.abort(req, reason)
         self.wake.set()
 
 
@@ -598,7 +598,7 @@ class App:
             entry = lps[c.events] if c.events < len(lps) else None
         c.events += 1
         if c.add(tok, entry):  # a stop string: the engine request is no longer needed
-            self.loop.abort(c.req)
+            self.loop.abort(c.req, "stop")
         return False
 
     async def _next(self, ctx: "_Ctx", request: Request | None):

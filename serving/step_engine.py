@@ -601,9 +601,9 @@ class StepEngine(EngineBase):
         kept tokens and finish what is done."""
         for s in self.scheds:
             for r in [r for r in s.running if r.aborted]:
-                self._finish(r, "abort")
+                self._finish(r, r.abort_reason)
             for r in s.take_aborted_waiting():
-                self._complete(r, "abort")
+                self._complete(r, r.abort_reason)
         plans = [s.plan() for s in self.scheds]
         launched = None
         if any(p.requests for p in plans):

@@ -231,6 +231,7 @@ def test_stop_strings_and_eos(server):
     cut = ByteTokenizer().decode(toks[: ascii_at[0]])
     cut = cut[: cut.find(stop_str)] if stop_str in cut else cut
     body = {"prompt": "Hello, KDA!", "max_tokens": 12, "stop": [stop_str], "ignore_eos": True}
+    aborted = engine.metrics["requests_aborted"]
     status, r = post(port, body)
     assert status == 200 and r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -239,6 +240,8 @@ def test_stop_strings_and_eos(server):
               if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == cut
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    wait_idle(engine)  # a stop string finishes the engine's request (its cache kept), not an abort
+    assert engine.metrics["requests_aborted"] == aborted
     # The checkpoint's eos_token_id stops generation (made to be the third greedy token here).
     old = app.eos
     app.eos = toks[2]

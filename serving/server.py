@@ -211,9 +211,12 @@ class EngineLoop:
     a request whose sampling fails is finished with an ``error:`` reason by the engine alone; a
     step that raises fails the requests that were in it (``engine.fail_running``: each finishes
     with the reason, its pages and slot freed) and the loop goes on with the rest. ``/health`` is
-    503 only while steps keep failing."""
+    503 only while steps keep failing: after ``UNHEALTHY_AFTER`` failed steps in a row, until a
+    step succeeds or ``RETRY_AFTER_S`` pass without a failure (a router that stopped sending
+    requests then sends one again: without it the loop would stay unhealthy for want of work)."""
 
     UNHEALTHY_AFTER = 5  # consecutive failed steps
+    RETRY_AFTER_S = 30.0
 
     def __init__(self, engine: EngineBase):
         self.engine = engine
@@ -221,6 +224,7 @@ class EngineLoop:
         self.stop = False
         self.error: BaseException | None = None
         self.consecutive_failures = 0
+        self.last_failure = 0.0  # time.monotonic() of the last failed step
         self.step_failures = 0
         self.failed: dict[int, str] = {}
         self.tracked: dict[int, object] = {}  # rid -> engine request, until it finishes
@@ -230,7 +234,9 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self.thread.is_alive() and self.consecutive_failures < self.UNHEALTHY_AFTER
+        failing = (self.consecutive_failures >= self.UNHEALTHY_AFTER
+                   and time.monotonic() - self.last_failure < self.RETRY_AFTER_S)
+        return self.thread.is_alive() and not failing
 
     def _run(self):
         while not self.stop:
@@ -245,6 +251,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 self.error, self.step_failures = e, self.step_failures + 1
                 self.consecutive_failures += 1
+                self.last_failure = time.monotonic()
                 try:
                     self._isolate(e)
                 except Exception:  # noqa: BLE001

@@ -15,7 +15,7 @@ import pytest
 import serving.engine as engine_mod
 from serving.engine import Engine, SamplingParams
 from serving.http_base import BackgroundServer
-from serving.server import App, make_engine, parser, serve
+from serving.server import App, EngineLoop, make_engine, parser, serve
 from serving.step_engine import StepEngine
 from serving.tokenizers import (ByteTokenizer, Detokenizer, HFTokenizer, NoTokenizer, TiktokenTokenizer, load_tokenizer,
                                 render_chat)
@@ -758,3 +758,34 @@ def test_usage_counts_a_prompts_cached_tokens_once_for_its_n_choices(server):
     assert status == 200 and usage["prompt_tokens"] == 168
     assert usage["prompt_tokens_details"]["cached_tokens"] == 128  # not 3 x 128
     wait_idle(engine)
+
+
+def test_a_loop_whose_steps_kept_failing_turns_healthy_again_once_idle(monkeypatch):
+    """Five failed steps in a row make /health 503; with no work left to prove it either way, it
+    turns 200 again after RETRY_AFTER_S (a router then sends it a request again)."""
+
+    class Failing:
+        def __init__(self):
+            self.steps = EngineLoop.UNHEALTHY_AFTER
+
+        def has_work(self):
+            return self.steps > 0
+
+        def step(self):
+            self.steps -= 1
+            raise RuntimeError("injected")
+
+        def fail_running(self, exc):
+            return []
+
+    monkeypatch.setattr(EngineLoop, "RETRY_AFTER_S", 1.0)
+    loop = EngineLoop(Failing())
+    try:
+        deadline = time.time() + 30
+        while loop.consecutive_failures < EngineLoop.UNHEALTHY_AFTER and time.time() < deadline:
+            time.sleep(0.01)
+        assert not loop.healthy
+        time.sleep(1.2)
+        assert loop.healthy and loop.consecutive_failures == EngineLoop.UNHEALTHY_AFTER
+    finally:
+        loop.stop = True

@@ -158,13 +158,17 @@ class EngineBase:
     def validate(self, prompt: list[int], sp: SamplingParams):
         """Raise :class:`RequestError` for a request that can never be served."""
         sp.validate()
+        self.check_tokens(prompt)
+        if len(prompt) + sp.max_tokens > self.max_len:
+            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
+
+    def check_tokens(self, prompt: list[int]):
+        """Raise :class:`RequestError` for an empty prompt or ids outside the model's vocabulary."""
         if not prompt:
             raise RequestError("empty prompt")
         bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
         if bad:
             raise RequestError(f"token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
-        if len(prompt) + sp.max_tokens > self.max_len:
-            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({sp.max_tokens}) exceeds max_len {self.max_len}")
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids=(), logprobs: int | None = None

@@ -479,24 +479,19 @@ class App:
             p = req.prompt
             if isinstance(p, str):
                 return [(self.tokenizer.encode(p), p)]
-            if not p:
-                raise RequestError("empty prompt")
+
+            def ids(x):  # checked before they are decoded for echo (a tokenizer may raise on them)
+                self.engine.check_tokens(x)
+                return list(x), self.tokenizer.decode(x)
+
             if all(isinstance(t, int) for t in p):
-                return [(list(p), self.tokenizer.decode(self._in_vocabulary(p)))]
-            return [(self.tokenizer.encode(x), x) if isinstance(x, str) else
-                    (list(x), self.tokenizer.decode(self._in_vocabulary(x))) for x in p]
+                return [ids(p)]
+            return [(self.tokenizer.encode(x), x) if isinstance(x, str) else ids(x) for x in p]
         except RequestError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") is valid JSON but no UTF-8 text
             raise APIError(400, f"the text is not valid Unicode: {e.reason} at {e.start}",
                            param="messages" if chat else "prompt") from None
-
-    def _in_vocabulary(self, ids: list[int]) -> list[int]:
-        """``ids``, checked before they are decoded for echo (a tokenizer may raise on them)."""
-        V = self.engine.cfg.vocab_size
-        if bad := [t for t in ids if not 0 <= t < V]:
-            raise RequestError(f"token ids outside the vocabulary [0, {V}): {bad[:5]}")
-        return ids
 
     def _params(self, req, chat: bool, prompt_len: int) -> list[SamplingParams]:
         max_tokens = req.max_tokens

@@ -100,12 +100,9 @@ def main():
                     result = tokamax.autotune(base, *args, ignore_cache=True, progress_bar=False)
                     tuned.append(result)
                     with result:
-                        fast = matmul(out_dtype)
-                        got = fast(*args).astype(jnp.float32)
-                        s1 = time_jax(fast, [args])
-                    emit({**shape, "out": out_dtype, "tiles": "autotuned", "ms": s1 * 1e3, "TFLOP_s": flops / s1 / 1e12,
-                          "chosen": [str(d.fastest_config) for _, d in result.data if d],
-                          "max_abs_diff": float(jnp.max(jnp.abs(got - want)))})
+                        timed = measure(matmul(out_dtype), args, want, flops)
+                    emit({**shape, "out": out_dtype, "tiles": "autotuned", **timed,
+                          "chosen": [str(d.fastest_config) for _, d in result.data if d]})
     write_json(rows, "ragged_dot_tune.json")
     out = os.environ.get("OUT")
     if out and tuned:
@@ -119,11 +116,16 @@ def time_config(matmul, out_dtype, text: str, args, want, flops) -> dict:
     from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
 
     try:
-        f = matmul(out_dtype, implementation=[PallasMosaicGpuRaggedDot(config=Config(**parse_config(text)))])
-        got = f(*args).astype(jnp.float32)
-        s = time_jax(f, [args])
+        return measure(matmul(out_dtype, implementation=[PallasMosaicGpuRaggedDot(config=Config(**parse_config(text)))]),
+                       args, want, flops)
     except Exception as e:  # noqa: BLE001  (a configuration that does not lower: report it, time the next)
         return {"error": repr(e)[:300]}
+
+
+def measure(f, args, want, flops) -> dict:
+    """``f``'s time and TFLOP/s on ``args`` and its largest difference from ``want``."""
+    got = f(*args).astype(jnp.float32)
+    s = time_jax(f, [args])
     return {"ms": s * 1e3, "TFLOP_s": flops / s / 1e12, "max_abs_diff": float(jnp.max(jnp.abs(got - want)))}
 
 

@@ -75,3 +75,23 @@ def test_a_preempted_request_keeps_its_landed_checkpoints_and_reports_its_first_
 def test_prefill_rows_and_chunks_must_be_positive():
     with pytest.raises(ValueError, match="max_prefill_rows"):
         Scheduler(PagePool(8, with_storage=False), P, token_budget=64, max_decode=4, max_prefill_rows=0, max_chunk=64)
+
+
+def test_drafts_take_only_spare_pages():
+    """Scheduler alone: two requests fill a 4-page pool (a state page and one MLA page each); the
+    oldest's drafts would need a third page: they are cut to what its page holds instead of
+    preempting the other request."""
+    pool = PagePool(4, with_storage=False)
+
+    class Always:
+        def propose(self, tokens, k):
+            return [1] * k
+
+    s = Scheduler(pool, 16, token_budget=64, max_decode=2, max_prefill_rows=2, max_chunk=64, speculative=4,
+                  drafter=Always())
+    a, b = (s.new_request([5] * 14, SamplingParams(max_tokens=8), 0) for _ in range(2))
+    s.add(a)
+    s.add(b)
+    _step(s)  # both prompts
+    plan = s.plan()
+    assert s.preemptions == 0 and [len(row.tokens) for row in plan.decode] == [2, 2]  # 14 + 1 + 1 = one page

@@ -17,8 +17,6 @@ from k3jax.model.mxfp4 import MXFP4
 from k3jax.model.step import Row, StepKernels, batch_shapes, flatten_batch, layer_runs, pack_batch, prepare_params
 from k3jax.parallel.sharded_step import step_mesh
 from serving.engine import CONFIGS, RequestError, SamplingParams
-from serving.page_pool import PagePool
-from serving.scheduler import Scheduler
 from serving import step_engine
 from serving.step_engine import StepEngine, _fed_step, draw_filters, draw_rows, sampling_params
 
@@ -555,30 +553,6 @@ def test_an_mxfp4_checkpoint_is_served_with_its_experts_packed():
         sharded = StepEngine(path, mesh=step_mesh(1, 2), **kw)
     assert sorted(reads) == list(range(sharded.cfg.num_layers)) and sharded.runner.params["runs"]
     assert [r.token_ids for r in sharded.generate(prompts, max_tokens=5)] == want
-
-
-def test_drafts_take_only_spare_pages():
-    """Scheduler alone: two requests fill a 4-page pool (a state page and one MLA page each); the
-    oldest's drafts would need a third page: they are cut to what its page holds instead of
-    preempting the other request."""
-    pool = PagePool(4, with_storage=False)
-
-    class Always:
-        def propose(self, tokens, k):
-            return [1] * k
-
-    s = Scheduler(pool, 16, token_budget=64, max_decode=2, max_prefill_rows=2, max_chunk=64, speculative=4,
-                  drafter=Always())
-    a, b = (s.new_request([5] * 14, SamplingParams(max_tokens=8), 0) for _ in range(2))
-    s.add(a)
-    s.add(b)
-    plan = s.plan()  # both prompts
-    s.advance(plan)
-    for r in plan.requests:
-        r.pending -= 1
-        r.out.append(7)
-    plan = s.plan()
-    assert s.preemptions == 0 and [len(row.tokens) for row in plan.decode] == [2, 2]  # 14 + 1 + 1 = one page
 
 
 @pytest.mark.slow  # CI time: the data-axis test serves on a tensor axis, the context-parallel one on an expert axis
